@@ -1,0 +1,17 @@
+"""lazyharvest: reap and plant intermediate values of JAX programs, lazily.
+
+`sow` marks a value; `reap(f)` returns a `DelayedDict` keyed by
+transformation path whose leaves are computed only when read.
+"""
+
+from lazyharvest.api import call_and_reap, harvest, nest, plant, reap
+from lazyharvest.delayed import DelayedDict
+from lazyharvest.errors import HarvestError
+from lazyharvest.primitive import sow
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DelayedDict", "HarvestError", "call_and_reap", "harvest", "nest", "plant",
+    "reap", "sow",
+]

@@ -1,0 +1,139 @@
+"""Every use of JAX internals lives here, so a JAX upgrade touches one file.
+
+Pinned to jax 0.10.2. `jax.extend` and `jax.interpreters` carry no
+compatibility guarantee; `jax._src` even less. Nothing else in the package may
+import from them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+from jax._src import config as _config
+from jax._src import core as _core
+from jax._src import effects as _effects
+from jax._src import sharding_impls as _sharding_impls
+from jax.api_util import debug_info as _debug_info
+from jax.api_util import flatten_fun_nokwargs as _flatten_fun_nokwargs
+from jax.extend import linear_util as lu
+from jax.extend.core import (
+    ClosedJaxpr,
+    Effect,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Primitive,
+    Var,
+    new_jaxpr_eqn,
+)
+from jax.interpreters import ad, batching, mlir
+from jax.interpreters import partial_eval as pe
+
+__all__ = [
+    "ClosedJaxpr", "Effect", "Jaxpr", "JaxprEqn", "Literal", "Primitive", "Var",
+    "ad", "batching", "mlir", "pe", "lu", "new_jaxpr_eqn",
+]
+
+Zero = ad.Zero
+UNSPECIFIED = _sharding_impls.UNSPECIFIED
+
+
+def register_effect(effect_type: type) -> None:
+    """Allow an unordered effect everywhere a site may appear."""
+    mlir.lowerable_effects.add_type(effect_type)
+    _effects.control_flow_allowed_effects.add_type(effect_type)
+    _effects.custom_derivatives_allowed_effects.add_type(effect_type)
+    _effects.remat_allowed_effects.add_type(effect_type)
+    _effects.partial_eval_kept_effects.add_type(effect_type)
+
+
+def register_batcher(prim: Primitive, rule: Callable) -> None:
+    batching.primitive_batchers[prim] = rule
+
+
+def register_remat_rule(prim: Primitive, rule: Callable) -> None:
+    pe.partial_eval_jaxpr_custom_rules[prim] = rule
+
+
+def replace_eqn_params(eqn: JaxprEqn, **params: Any) -> JaxprEqn:
+    return new_jaxpr_eqn(eqn.invars, eqn.outvars, eqn.primitive,
+                         dict(eqn.params, **params), eqn.effects,
+                         eqn.source_info, eqn.ctx)
+
+
+def in_eager_mode() -> bool:
+    """True when no transformation or tracing is active."""
+    return isinstance(_core.trace_ctx.trace, _core.EvalTrace)
+
+
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, _core.Tracer)
+
+
+def tracer_is_dead(x: Any) -> bool:
+    """A tracer whose trace has ended (it escaped its transformation)."""
+    return isinstance(x, _core.Tracer) and not x._trace.is_valid()
+
+
+def trace_context() -> Any:
+    """The part of JAX's configuration that jit keys its trace cache on."""
+    return _config.trace_context()
+
+
+def trace_flat(fn: Callable, in_avals: Sequence[Any], name: str = "lazyharvest"
+               ) -> tuple[Jaxpr, list[Any]]:
+    """Traces `fn(*flat) -> list` to an open jaxpr and the consts it closed over.
+
+    Closed-over values (outer tracers included) come back as consts so callers
+    can pass them explicitly; nothing is evaluated.
+    """
+    dbg = _debug_info(name, fn, tuple(in_avals), {})
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fn, debug_info=dbg),
+                                                 list(in_avals))
+    return jaxpr, list(consts)
+
+
+def trace_pytree(fn: Callable, in_tree: Any, in_avals: Sequence[Any],
+                 name: str = "lazyharvest") -> tuple[ClosedJaxpr, Any]:
+    """Traces a pytree function on flat avals; returns (closed jaxpr, out tree)."""
+    dbg = _debug_info(name, fn, tuple(in_avals), {})
+    flat_fn, out_tree = _flatten_fun_nokwargs(lu.wrap_init(fn, debug_info=dbg), in_tree)
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(flat_fn, list(in_avals))
+    return ClosedJaxpr(jaxpr, consts), out_tree()
+
+
+def consts_as_invars(jaxpr: Jaxpr) -> Jaxpr:
+    """Moves constvars to the front of invars."""
+    return pe.convert_constvars_jaxpr(jaxpr)
+
+
+def dce(jaxpr: Jaxpr, used_outputs: Sequence[bool]) -> tuple[Jaxpr, list[bool]]:
+    return pe.dce_jaxpr(jaxpr, list(used_outputs), instantiate=True)
+
+
+def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], *args: Any) -> list[Any]:
+    return jax.core.eval_jaxpr(jaxpr, consts, *args)
+
+
+def bind_params(eqn: JaxprEqn, params: dict | None = None) -> dict:
+    """The parameters to re-bind `eqn`'s primitive with (subfuns for custom calls)."""
+    return eqn.primitive.get_bind_params(eqn.params if params is None else params)
+
+
+def eqn_context(eqn: JaxprEqn):
+    return eqn.ctx.manager
+
+
+def wrap_flat(fn: Callable, like: Any) -> Any:
+    """A linear_util wrapper around `fn`, reusing the debug info of `like`."""
+    return lu.wrap_init(fn, debug_info=like.debug_info)
+
+
+def effects_of(jaxpr: Jaxpr) -> Any:
+    return jaxpr.effects
+
+
+def jaxpr_without_debug_info(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """Drops debug info, which can hold references to user callables."""
+    return closed

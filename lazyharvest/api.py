@@ -1,0 +1,108 @@
+"""`reap`, `call_and_reap`, `plant`, `harvest` and `nest`."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Hashable, Iterable
+
+import jax
+
+from lazyharvest.delayed import DelayedDict, _Store
+from lazyharvest.interpreter import Harvest
+from lazyharvest.primitive import scoped
+from lazyharvest.program import cached_trace, flatten_args, resolve_plants
+
+
+def _harvest(tag: Hashable, allowlist: Iterable[str] | None,
+             blocklist: Iterable[str], exclusive: bool) -> Harvest:
+    return Harvest(tag, None if allowlist is None else frozenset(allowlist),
+                   frozenset(blocklist), bool(exclusive))
+
+
+def _run(f: Callable, h: Harvest, plants: Any, args: tuple, kwargs: dict,
+         with_out: bool, with_dict: bool) -> Any:
+    flat, in_tree, avals = flatten_args(args, kwargs)
+    traced = cached_trace(f, h, in_tree, avals)
+    plant_leaves: list = []
+    if plants is not None:
+        traced, plant_leaves = resolve_plants(traced, plants)
+    out = None
+    if with_out:
+        prog = traced.program([], with_out=True)
+        out = jax.tree_util.tree_unflatten(traced.out_tree,
+                                           prog(*flat, *plant_leaves))
+    if not with_dict:
+        return out
+    planted = {k for k, *_ in traced.plant_spec}
+    store = _Store(traced, flat, plant_leaves,
+                   [k for k in traced.sites if k not in planted])
+    d = DelayedDict(store)
+    return (out, d) if with_out else d
+
+
+def reap(f: Callable, *, tag: Hashable, allowlist: Iterable[str] | None = None,
+         blocklist: Iterable[str] = (), exclusive: bool = False
+         ) -> Callable[..., DelayedDict]:
+    """`reap(f, tag=t)(*args)` -> the `DelayedDict` of `f`'s sites of tag `t`."""
+    h = _harvest(tag, allowlist, blocklist, exclusive)
+
+    @functools.wraps(f)
+    def reaped(*args: Any, **kwargs: Any) -> DelayedDict:
+        return _run(f, h, None, args, kwargs, with_out=False, with_dict=True)
+    return reaped
+
+
+def call_and_reap(f: Callable, *, tag: Hashable,
+                  allowlist: Iterable[str] | None = None,
+                  blocklist: Iterable[str] = (), exclusive: bool = False
+                  ) -> Callable[..., tuple[Any, DelayedDict]]:
+    """`call_and_reap(f, tag=t)(*args)` -> `(f(*args), DelayedDict)`."""
+    h = _harvest(tag, allowlist, blocklist, exclusive)
+
+    @functools.wraps(f)
+    def called(*args: Any, **kwargs: Any) -> tuple[Any, DelayedDict]:
+        return _run(f, h, None, args, kwargs, with_out=True, with_dict=True)
+    return called
+
+
+def plant(f: Callable, *, tag: Hashable, allowlist: Iterable[str] | None = None,
+          blocklist: Iterable[str] = (), exclusive: bool = False
+          ) -> Callable[..., Any]:
+    """`plant(f, tag=t)(plants, *args)` -> `f(*args)` with planted sites.
+
+    `plants` is a (nested) mapping keyed like the reaped keys. A planted value
+    replaces the sown one; on a cotangent site (a backward pass) it is added.
+    """
+    h = _harvest(tag, allowlist, blocklist, exclusive)
+
+    @functools.wraps(f)
+    def planted(plants: Any, *args: Any, **kwargs: Any) -> Any:
+        return _run(f, h, plants, args, kwargs, with_out=True, with_dict=False)
+    return planted
+
+
+def harvest(f: Callable, *, tag: Hashable, allowlist: Iterable[str] | None = None,
+            blocklist: Iterable[str] = (), exclusive: bool = False
+            ) -> Callable[..., tuple[Any, DelayedDict]]:
+    """`harvest(f, tag=t)(plants, *args)` -> `(out, DelayedDict)`.
+
+    Planted names do not appear among the reaped ones.
+    """
+    h = _harvest(tag, allowlist, blocklist, exclusive)
+
+    @functools.wraps(f)
+    def harvested(plants: Any, *args: Any, **kwargs: Any) -> tuple[Any, DelayedDict]:
+        return _run(f, h, plants, args, kwargs, with_out=True, with_dict=True)
+    return harvested
+
+
+def nest(f: Callable, *, scope: str) -> Callable[..., Any]:
+    """Prepends `scope` to the scopes of every site inside `f`."""
+    if not isinstance(scope, str):
+        raise TypeError(f"nest: scope must be a string, got {scope!r}")
+
+    @functools.wraps(f)
+    def nested(*args: Any, **kwargs: Any) -> Any:
+        with scoped(scope):
+            return f(*args, **kwargs)
+    return nested

@@ -1,0 +1,192 @@
+"""The `sow` primitive and its rules for every JAX transformation.
+
+One primitive, `sow_p`, marks every site. Its parameters carry the site's
+identity (tag, name, scopes), its mode, the pytree structure of the value, and
+its *path*: the differentiation levels it went through, innermost first
+(`PRIMAL`, `JVP` or `VJP` at each level).
+
+Two design points keep it both faithful and free:
+
+* While a harvest of its tag is being traced, the eqn carries an unordered
+  effect, so no DCE pass of JAX drops it (unused sites, tangent sides of
+  `linearize`, bodies of `grad(scan)`...).
+* Otherwise it is bound without an effect: a top-level `jax.jit` keeps its C++
+  dispatch fast path (an effect costs ~10x dispatch) and lowers it to nothing.
+  In eager mode it binds nothing at all. The set of harvested tags is part of
+  jit's trace-cache key (a JAX user context), so a jitted function is retraced
+  when a harvest starts, not reused with the wrong kind of site.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Hashable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lazyharvest import _jax
+from lazyharvest.errors import HarvestError
+
+MODES = ("strict", "clobber", "append")
+
+PRIMAL, JVP, VJP = "primal", "jvp", "vjp"
+
+
+class SowEffect(_jax.Effect):
+    """Unordered effect that keeps harvested sites alive through DCE."""
+
+    def __repr__(self) -> str:
+        return "Sow"
+
+    def __hash__(self) -> int:
+        return hash(SowEffect)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SowEffect)
+
+
+sow_effect = SowEffect()
+_jax.register_effect(SowEffect)
+
+
+# --- harvest state: which tags are being harvested, which nest scopes apply ---
+
+_EMPTY_STATE: tuple[frozenset, tuple] = (frozenset(), ())
+_state = jax.make_user_context(default_value=_EMPTY_STATE)
+
+
+def _current() -> tuple[frozenset, tuple]:
+    value = _state.value
+    return _EMPTY_STATE if value is None else value
+
+
+def active_tags() -> frozenset:
+    return _current()[0]
+
+
+def current_scopes() -> tuple[str, ...]:
+    return _current()[1]
+
+
+@contextlib.contextmanager
+def harvesting(tag: Hashable) -> Iterator[None]:
+    """Sites of `tag` traced inside this block are bound with the effect."""
+    tags, scopes = _current()
+    with _state((tags | {tag}, scopes)):
+        yield
+
+
+@contextlib.contextmanager
+def scoped(scope: str) -> Iterator[None]:
+    tags, scopes = _current()
+    with _state((tags, scopes + (scope,))):
+        yield
+
+
+# --- the primitive ---
+
+sow_p = _jax.Primitive("sow")
+sow_p.multiple_results = True
+
+
+def _impl(*xs, **_):
+    return list(xs)
+
+
+def _abstract_eval(*avals, effect, **_):
+    return list(avals), ({sow_effect} if effect else set())
+
+
+def _lowering(ctx, *xs, **_):
+    return list(xs)
+
+
+def _jvp(primals, tangents, *, path, **params):
+    outs = sow_p.bind(*primals, path=path + (PRIMAL,), **params)
+    if all(type(t) is _jax.Zero for t in tangents):
+        return outs, list(tangents)
+    tangents = [_jax.ad.instantiate_zeros(t) for t in tangents]
+    return outs, sow_p.bind(*tangents, path=path + (JVP,), **params)
+
+
+def _transpose(cts, *args, path, **params):
+    # Transposing "read the tangent here" is "write the cotangent here".
+    cts = [_jax.ad.instantiate_zeros(c) if type(c) is _jax.Zero else c
+           for c in cts]
+    path = (path[:-1] if path and path[-1] == JVP else path) + (VJP,)
+    return sow_p.bind(*cts, path=path, **params)
+
+
+def _batch(vals, dims, **params):
+    # Plain jax.vmap: a batched site is reaped with its batch axis first.
+    vals = [v if d is None or d == 0 else jnp.moveaxis(v, d, 0)
+            for v, d in zip(vals, dims)]
+    return sow_p.bind(*vals, **params), [None if d is None else 0 for d in dims]
+
+
+def _remat_partial_eval(saveable, unks_in, inst_in, eqn):
+    # Default remat partial eval saves the outputs of known effectful eqns as
+    # residuals. Recompute the site instead; the recomputed copy is marked so
+    # a harvest does not count it twice.
+    del saveable
+    n = len(eqn.outvars)
+    res = [v for v, inst in zip(eqn.invars, inst_in) if not inst]
+    if any(unks_in):
+        return None, eqn, [True] * n, [True] * n, res
+    staged = _jax.replace_eqn_params(eqn, recompute=True)
+    return eqn, staged, [False] * n, [True] * n, res
+
+
+sow_p.def_impl(_impl)
+sow_p.def_effectful_abstract_eval(_abstract_eval)
+_jax.mlir.register_lowering(sow_p, _lowering)
+_jax.ad.primitive_jvps[sow_p] = _jvp
+_jax.ad.primitive_transposes[sow_p] = _transpose
+_jax.register_batcher(sow_p, _batch)
+_jax.register_remat_rule(sow_p, _remat_partial_eval)
+
+
+def _check_leaf(leaf: Any, tag: Hashable, name: str) -> Any:
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or _jax.is_tracer(leaf):
+        return leaf
+    if isinstance(leaf, (bool, int, float, complex)):
+        return jnp.asarray(leaf)
+    raise HarvestError(
+        f"sow(tag={tag!r}, name={name!r}): a sown value must be a pytree of "
+        f"arrays, got a leaf of type {type(leaf).__name__}. Sow arrays or "
+        f"Python numbers only.")
+
+
+def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
+        key: Any = None) -> Any:
+    """Marks `value` as the site `name` of harvest `tag`; returns `value`.
+
+    Outside a harvest of `tag` it is the identity: nothing in eager mode, an
+    eqn that lowers to no HLO under `jit`. `mode` says what a second sow of the
+    same name in one run does: "strict" (an error), "clobber" (the last value
+    wins) or "append" (values are stacked along a new leading axis).
+    `key` is accepted for compatibility with Oryx and not needed: constants are
+    reaped without it.
+    """
+    del key
+    if mode not in MODES:
+        raise HarvestError(
+            f"sow(tag={tag!r}, name={name!r}): unknown mode {mode!r}; use one "
+            f"of {', '.join(map(repr, MODES))}.")
+    if not isinstance(name, str):
+        raise HarvestError(
+            f"sow(tag={tag!r}, name={name!r}): the name must be a string.")
+    if value is None:
+        raise HarvestError(
+            f"sow(tag={tag!r}, name={name!r}): cannot sow None; sow an array "
+            f"or a pytree of arrays.")
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    leaves = [_check_leaf(x, tag, name) for x in leaves]
+    if not leaves or _jax.in_eager_mode():
+        return value
+    tags, scopes = _current()
+    outs = sow_p.bind(*leaves, tag=tag, name=name, mode=mode, scopes=scopes,
+                      path=(), tree=tree, effect=tag in tags, recompute=False)
+    return jax.tree_util.tree_unflatten(tree, outs)

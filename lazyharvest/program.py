@@ -1,0 +1,238 @@
+"""A traced function and the sliced programs built from it.
+
+`Traced` is one abstract trace of a user function under a harvest: the jaxpr,
+the table of its sites (keys, avals) and a bounded cache of compiled programs,
+one per requested key set. A program evaluates the jaxpr with the harvest
+interpreter asking only for the requested sites, then dead-code-eliminates
+the jaxpr, so only the slice that produces those values is compiled.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from typing import Any, Callable, Mapping, Sequence
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lazyharvest import _jax
+from lazyharvest import keys as keys_mod
+from lazyharvest.errors import HarvestError, closest
+from lazyharvest.interpreter import Harvest, Plant, Run, sub_jaxprs
+from lazyharvest.primitive import VJP, active_tags, current_scopes, harvesting, sow_p
+
+PROGRAM_CACHE_SIZE = 64
+TRACE_CACHE_SIZE = 16
+
+
+class Program:
+    """Compiled slice: `(*args, *plant leaves) -> (*outs?, *site leaves)`."""
+
+    def __init__(self, jaxpr: _jax.Jaxpr, consts: list):
+        self.jaxpr = jaxpr
+        self.consts = consts
+        self.fn = jax.jit(self._eval)
+
+    def _eval(self, *flat):
+        return _jax.eval_jaxpr(self.jaxpr, self.consts, *flat)
+
+    def __call__(self, *flat):
+        return self.fn(*flat)
+
+
+@attrs.define(eq=False)
+class Traced:
+    """One trace of a user function under one harvest, and its programs."""
+
+    harvest: Harvest
+    jaxpr: _jax.ClosedJaxpr
+    in_avals: tuple
+    out_tree: Any
+    sites: dict  # RawKey -> Site, program order
+    key_of: dict  # RawKey -> user key
+    raw_of: dict  # user key -> RawKey
+    names: frozenset  # every name the tag sows, filtered or not
+    plant_spec: tuple = ()  # ((RawKey, mode, additive, n leaves), ...)
+    programs: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)
+    lock: Any = attrs.field(factory=threading.RLock)
+
+    def program(self, raw_keys: Sequence[RawKey], with_out: bool) -> Program:
+        cache_key = (tuple(raw_keys), with_out)
+        with self.lock:
+            prog = self.programs.get(cache_key)
+            if prog is not None:
+                self.programs.move_to_end(cache_key)
+                return prog
+        prog = self._build(list(raw_keys), with_out)
+        with self.lock:
+            self.programs[cache_key] = prog
+            while len(self.programs) > PROGRAM_CACHE_SIZE:
+                self.programs.popitem(last=False)
+        return prog
+
+    def _build(self, raw_keys: list, with_out: bool) -> Program:
+        wanted = frozenset(raw_keys)
+        n_args = len(self.in_avals)
+        closed = self.jaxpr
+
+        def fn(*flat):
+            args, leaves = flat[:n_args], flat[n_args:]
+            run = Run(self.harvest, wanted.__contains__, self._plants(leaves))
+            outs = run.eval(closed.jaxpr, closed.consts, args)
+            site = [x for k in raw_keys for x in run.records[k].leaves()]
+            return [*outs, *site] if with_out else site
+
+        plant_avals = [a for *_, avals in self.plant_spec for a in avals]
+        jaxpr, consts = _jax.trace_flat(fn, [*self.in_avals, *plant_avals])
+        jaxpr, _ = _jax.dce(jaxpr, [True] * len(jaxpr.outvars))
+        return Program(jaxpr, consts)
+
+    def _plants(self, leaves: Sequence[Any]) -> dict:
+        plants, it = {}, iter(leaves)
+        for key, mode, additive, avals in self.plant_spec:
+            plants[key] = Plant([next(it) for _ in avals], mode, additive)
+        return plants
+
+
+def _site_names(jaxpr: _jax.Jaxpr, tag: Any, out: set) -> set:
+    for e in jaxpr.eqns:
+        if e.primitive is sow_p and e.params["tag"] == tag:
+            out.add(e.params["name"])
+        for j in sub_jaxprs(e.params):
+            _site_names(j, tag, out)
+    return out
+
+
+def trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -> Traced:
+    """Traces `f` abstractly once and finds its sites (no FLOPs)."""
+    with harvesting(harvest.tag):
+        closed, out_tree = _jax.trace_pytree(
+            lambda args, kwargs: f(*args, **kwargs), in_tree, in_avals,
+            name=getattr(f, "__name__", "harvested"))
+    run = Run(harvest, lambda k: True)
+    _jax.trace_flat(lambda *a: run.eval(closed.jaxpr, closed.consts, a), in_avals)
+    sites = {s.key: s for s in run.sites()}
+    key_of = keys_mod.assign(sites)
+    return Traced(harvest, closed, in_avals, out_tree, sites, key_of,
+                  {v: k for k, v in key_of.items()},
+                  frozenset(_site_names(closed.jaxpr, harvest.tag, set())))
+
+
+# --- the trace cache: weak in the user's function ---------------------------
+
+_TRACES: "weakref.WeakKeyDictionary[Any, collections.OrderedDict]" = weakref.WeakKeyDictionary()
+_TRACES_LOCK = threading.Lock()
+
+
+def cached_trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -> Traced:
+    key = (harvest, in_tree, in_avals, active_tags(), current_scopes(),
+           _jax.trace_context())
+    try:
+        with _TRACES_LOCK:
+            per_fn = _TRACES.setdefault(f, collections.OrderedDict())
+            hit = per_fn.get(key)
+    except TypeError:  # not weakly referenceable, or unhashable key parts
+        return trace(f, harvest, in_tree, in_avals)
+    if hit is not None:
+        return hit
+    traced = trace(f, harvest, in_tree, in_avals)
+    with _TRACES_LOCK:
+        per_fn[key] = traced
+        while len(per_fn) > TRACE_CACHE_SIZE:
+            per_fn.popitem(last=False)
+    return traced
+
+
+def flatten_args(args: tuple, kwargs: dict) -> tuple[list, Any, tuple]:
+    leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+    out = []
+    for x in leaves:
+        if not (isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float,
+                               complex)) or _jax.is_tracer(x)):
+            raise HarvestError(
+                f"harvested functions take pytrees of arrays; got an argument "
+                f"leaf of type {type(x).__name__}. Close over non-array "
+                f"arguments (functools.partial) instead.")
+        out.append(x)
+    return out, in_tree, tuple(jax.typeof(x) for x in out)
+
+
+# --- plants ------------------------------------------------------------------
+
+def resolve_plants(traced: Traced, plants: Any) -> tuple[Traced, list]:
+    """Checks `plants` against the sites; returns a planting Traced and leaves."""
+    h = traced.harvest
+    found: dict = {}
+
+    def walk(prefix: tuple, value: Any) -> None:
+        if prefix in traced.raw_of:
+            found[prefix] = value
+        elif prefix and prefix[-1] in traced.names and prefix not in traced.raw_of \
+                and not isinstance(value, Mapping):
+            return  # a site the allowlist/blocklist filters out: ignored
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(prefix + keys_mod.normalize(k), v)
+        elif prefix and prefix[-1] in traced.names:
+            return
+        else:
+            shown = [keys_mod.display(k) for k in traced.raw_of]
+            raise HarvestError(
+                f"plant for tag {h.tag!r}: no site is sown as "
+                f"{keys_mod.display(prefix)!r}. Sites of this tag: {shown}. "
+                f"Closest: {closest(str(keys_mod.display(prefix)), map(str, shown))}.")
+
+    if plants is None:
+        plants = {}
+    if not isinstance(plants, Mapping):
+        raise HarvestError(
+            f"plant for tag {h.tag!r}: plants must be a mapping keyed like the "
+            f"reaped keys, got {type(plants).__name__}.")
+    walk((), plants)
+    spec, leaves = [], []
+    for ukey, value in found.items():
+        raw = traced.raw_of[ukey]
+        site = traced.sites[raw]
+        where = h.where(raw)
+        vals, tree = jax.tree_util.tree_flatten(value)
+        if tree != site.tree:
+            raise HarvestError(
+                f"{where}: planted value has structure {tree}, the site sows "
+                f"{site.tree}. Plant a value of the same pytree structure.")
+        cast = []
+        for v, aval in zip(vals, site.avals):
+            cast.append(_cast_plant(v, aval, where))
+        spec.append((raw, site.mode, bool(raw[0]) and raw[0][-1] == VJP,
+                     tuple(jax.typeof(x) for x in cast)))
+        leaves += cast
+    return attrs.evolve(traced, plant_spec=tuple(spec), programs=collections.OrderedDict()), leaves
+
+
+def _cast_plant(v: Any, aval: Any, where: str) -> Any:
+    shape, dtype = tuple(np.shape(v)), jnp.result_type(v)
+    weak = isinstance(v, (int, float, complex, bool)) or getattr(
+        jax.typeof(v), "weak_type", False)
+    if shape != tuple(aval.shape):
+        raise HarvestError(
+            f"{where}: planted value has shape {shape}, the site has shape "
+            f"{tuple(aval.shape)}. Plant a value of the site's shape.")
+    if dtype != aval.dtype:
+        same_kind = jnp.issubdtype(dtype, _kind(aval.dtype))
+        if not (weak and same_kind) and not (weak and _kind(dtype) is np.integer
+                                             and _kind(aval.dtype) is not np.bool_):
+            raise HarvestError(
+                f"{where}: planted value has dtype {dtype}, the site has dtype "
+                f"{aval.dtype}. Plant a value of the site's dtype (Python "
+                f"scalars are cast).")
+    return jnp.asarray(v, aval.dtype)
+
+
+def _kind(dtype: Any) -> type:
+    for k in (np.bool_, np.integer, np.floating, np.complexfloating):
+        if jnp.issubdtype(dtype, k):
+            return k
+    return np.generic
