@@ -14,6 +14,7 @@ from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import effects as _effects
 from jax._src import sharding_impls as _sharding_impls
+from jax._src.interpreters import partial_eval as _pe
 from jax.api_util import debug_info as _debug_info
 from jax.api_util import flatten_fun_nokwargs as _flatten_fun_nokwargs
 from jax.extend import linear_util as lu
@@ -105,7 +106,7 @@ def trace_pytree(fn: Callable, in_tree: Any, in_avals: Sequence[Any],
 
 def consts_as_invars(jaxpr: Jaxpr) -> Jaxpr:
     """Moves constvars to the front of invars."""
-    return pe.convert_constvars_jaxpr(jaxpr)
+    return _pe.convert_constvars_jaxpr(jaxpr)
 
 
 def dce(jaxpr: Jaxpr, used_outputs: Sequence[bool]) -> tuple[Jaxpr, list[bool]]:
@@ -137,3 +138,35 @@ def effects_of(jaxpr: Jaxpr) -> Any:
 def jaxpr_without_debug_info(closed: ClosedJaxpr) -> ClosedJaxpr:
     """Drops debug info, which can hold references to user callables."""
     return closed
+
+
+def shard_map_body_context(mesh: Any, manual_axes: frozenset, check_vma: bool):
+    """The context JAX traces a shard_map body in (axis names, manual mesh)."""
+    import contextlib
+
+    from jax._src import mesh as _mesh
+    from jax._src import shard_map as _shard_map
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(_shard_map._extend_axis_env(mesh, manual_axes))
+    stack.enter_context(_mesh.use_abstract_mesh(
+        _shard_map._as_manual_mesh(mesh, manual_axes)))
+    stack.enter_context(_config._check_vma(check_vma))
+    return stack
+
+
+def varying_axes(x: Any) -> frozenset:
+    """Mesh axes over which a value inside shard_map varies."""
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ()))
+
+
+def make_varying(x: Any, axes: tuple) -> Any:
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def local_aval(mesh: Any, manual_axes: frozenset, check_vma: bool, spec: Any,
+               value: Any) -> Any:
+    """The per-device aval, inside shard_map, of a global value with `spec`."""
+    return _core.shard_aval(mesh, manual_axes, check_vma, spec, jax.typeof(value))

@@ -19,7 +19,8 @@ import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
+
+from jax.sharding import PartitionSpec as P
 
 from lazyharvest import _jax
 from lazyharvest.errors import HarvestError
@@ -669,68 +670,98 @@ def _custom_planted(run: Run, eqn: _jax.JaxprEqn, invals: list) -> list:
 
 @rule("shard_map")
 def _shard_map(run: Run, eqn: _jax.JaxprEqn, invals: list) -> list:
-    from jax.sharding import PartitionSpec as P
+    """Sites inside a shard_map body come out stacked over the devices.
 
+    A per-device value that varies over manual mesh axes A (all manual axes
+    when `check_vma=False`) is reaped with a new leading axis of size
+    prod(A), in mesh order; a value that varies over none is reaped as is.
+    Plants inside the body take the same layout.
+    """
     p = eqn.params
-    jaxpr = p["jaxpr"]
-    axes = tuple(a for a in p["mesh"].axis_names if a in p["newly_manual_axes"])
-    spec = P(axes if len(axes) > 1 else axes[0])
+    jaxpr, mesh, manual, check = p["jaxpr"], p["mesh"], p["newly_manual_axes"], p["check_vma"]
+    axes = tuple(a for a in mesh.axis_names if a in manual)
+
+    def layout(x: Any) -> tuple:
+        return (tuple(a for a in axes if a in _jax.varying_axes(x)) if check else axes)
+
+    def spec(ax: tuple) -> Any:
+        return P(ax if len(ax) > 1 else ax[0]) if ax else P()
+
+    inside = lambda: _jax.shard_map_body_context(mesh, manual, check)
     keys = [k for k in count_occurrences(jaxpr, run.harvest) if k in run.plants]
     for k in keys:
         if run.plants[k].mode == "append":
             raise HarvestError(
                 f"{run.harvest.where(k)}: planting an append site inside "
                 f"shard_map is not supported; plant it outside the shard_map.")
+    plant_axes: list = []
+    if keys:  # learn each planted site's layout from a plain trace of the body
+        with inside():
+            plain, _ = trace_body(Run(run.harvest, lambda k: True), jaxpr, (),
+                                  _invar_avals(jaxpr))
+        inner = {s.key: s for s in plain.sites}
+        for k in keys:
+            plant_axes += [layout_of_aval(a, axes, check) for a in inner[k].avals]
     plant_leaves = [x for k in keys for x in run.plants[k].leaves]
     sizes = [len(run.plants[k].leaves) for k in keys]
-    ndev = int(np.prod([p["mesh"].shape[a] for a in axes]))
-    local = [jax.typeof(x).update(shape=(1, *x.shape[1:])) for x in plant_leaves]
+    plant_specs = [spec(ax) for ax in plant_axes]
 
     def make_child(extra: list) -> Run:
         plants = dict(run.plants)
-        it = iter(extra)
+        it = iter(zip(extra, plant_axes))
         for k, n in zip(keys, sizes):
-            plants[k] = attrs.evolve(plants[k], leaves=[next(it)[0] for _ in range(n)])
+            plants[k] = attrs.evolve(plants[k], leaves=[
+                x[0] if ax else x for x, ax in (next(it) for _ in range(n))])
         return Run(run.harvest, run.want, plants, run.cursor)
 
-    for k in keys:
-        for x in run.plants[k].leaves:
-            if x.shape[:1] != (ndev,):
-                raise HarvestError(
-                    f"{run.harvest.where(k)}: a value planted inside shard_map "
-                    f"must have a leading axis of size {ndev} (one slice per "
-                    f"device of mesh axes {axes}); got shape {x.shape}.")
-    in_avals = _invar_avals(jaxpr) + [_vary(a, axes) for a in local]
-    body, _ = trace_body(run, jaxpr, (), in_avals, make_child, len(plant_leaves))
-    nc = len(body.consts)
+    for x, ax, k in zip(plant_leaves, plant_axes,
+                        [k for k, n in zip(keys, sizes) for _ in range(n)]):
+        want = int(np.prod([mesh.shape[a] for a in ax])) if ax else None
+        if ax and x.shape[:1] != (want,):
+            raise HarvestError(
+                f"{run.harvest.where(k)}: a value planted inside shard_map "
+                f"varies over mesh axes {ax}, so it needs a leading axis of "
+                f"size {want} (one slice per device); got shape {x.shape}.")
+    in_avals = _invar_avals(jaxpr) + [
+        _jax.local_aval(mesh, manual, check, sp, x)
+        for sp, x in zip(plant_specs, plant_leaves)]
+    with inside():
+        body, _ = trace_body(run, jaxpr, (), in_avals, make_child, len(plant_leaves))
     n_out = body.n_out
+    out_axes: list = []
 
     def fn(*args):
         outs = _jax.eval_jaxpr(body.jaxpr, (), *args)
-        sites = [lax.pvary(x, tuple(a for a in axes if a not in jax.typeof(x).vma))
-                 if jax.typeof(x).vma != frozenset(axes) else x
-                 for x in outs[n_out:]]
-        return [*outs[:n_out], *[x[None] for x in sites]]
+        sites = []
+        for x in outs[n_out:]:
+            ax = layout(x)
+            out_axes.append(ax)
+            sites.append(x[None] if ax else x)
+        return [*outs[:n_out], *sites]
 
-    const_avals = [jax.typeof(c) for c in body.consts]
-    new_jaxpr, k = _jax.trace_flat(fn, const_avals + in_avals)
+    const_avals = [_jax.local_aval(mesh, manual, check, P(), c) for c in body.consts]
+    with inside():
+        new_jaxpr, k = _jax.trace_flat(fn, const_avals + in_avals)
     assert not k
-    nsl = body.n_site_leaves
+    nc = len(body.consts)
     params = dict(p, jaxpr=new_jaxpr,
-                  in_specs=(P(),) * nc + tuple(p["in_specs"]) + (spec,) * len(local),
-                  out_specs=tuple(p["out_specs"]) + (spec,) * nsl)
+                  in_specs=(P(),) * nc + tuple(p["in_specs"]) + tuple(plant_specs),
+                  out_specs=tuple(p["out_specs"]) + tuple(spec(a) for a in out_axes))
     outs = bind(eqn, [*body.consts, *invals, *plant_leaves], params)
-    it = iter(outs[n_out:])
+    it = iter(zip(outs[n_out:], out_axes))
     for s in body.sites:
-        leaves = [next(it) for _ in s.avals]
-        if s.mode == "append":
-            leaves = [x.reshape(-1, *x.shape[2:]) for x in leaves]
+        leaves = []
+        for x, ax in (next(it) for _ in s.avals):
+            if s.mode == "append" and ax:  # (devices, n, ...) -> (devices * n, ...)
+                x = x.reshape(-1, *x.shape[2:])
+            leaves.append(x)
         run.record(s.key, s.mode, s.tree, leaves)
     return outs[:n_out]
 
 
-def _vary(aval: Any, axes: tuple) -> Any:
-    try:
-        return aval.update(vma=frozenset(axes))
-    except TypeError:
-        return aval
+def layout_of_aval(aval: Any, axes: tuple, check_vma: bool) -> tuple:
+    if not check_vma:
+        return axes
+    mat = getattr(aval, "manual_axis_type", None)
+    varying = frozenset(getattr(mat, "varying", ()))
+    return tuple(a for a in axes if a in varying)
