@@ -170,3 +170,21 @@ def local_aval(mesh: Any, manual_axes: frozenset, check_vma: bool, spec: Any,
                value: Any) -> Any:
     """The per-device aval, inside shard_map, of a global value with `spec`."""
     return _core.shard_aval(mesh, manual_axes, check_vma, spec, jax.typeof(value))
+
+
+def wrap_cond_batcher(make_rule: Callable[[Callable], Callable]) -> None:
+    """Replaces the vmap rule of `lax.cond` by `make_rule(original_rule)`."""
+    from jax._src.lax.control_flow import conditionals as _cond
+
+    batchers = _jax_batching_private().fancy_primitive_batchers
+    original = batchers[_cond.cond_p]
+    if getattr(original, "_lazyharvest", False):
+        return
+    rule = make_rule(original)
+    rule._lazyharvest = True
+    batchers[_cond.cond_p] = rule
+
+
+def _jax_batching_private():
+    from jax._src.interpreters import batching as _batching
+    return _batching

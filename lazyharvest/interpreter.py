@@ -98,20 +98,27 @@ class Run:
     """One evaluation of a jaxpr under a harvest.
 
     `want(key)` says which sites to return; `plants` maps keys to `Plant`s.
+    With `foreign=False`, sites of other tags are consumed too: a side
+    computation (a DelayedDict leaf) must not sow them a second time.
     """
 
     def __init__(self, harvest: Harvest, want: Callable[[RawKey], bool],
                  plants: dict[RawKey, Plant] | None = None,
-                 cursor: dict[RawKey, int] | None = None):
+                 cursor: dict[RawKey, int] | None = None, foreign: bool = True):
         self.harvest = harvest
         self.want = want
         self.plants = plants or {}
         self.cursor = dict(cursor or {})
+        self.foreign = foreign and not harvest.exclusive
         self.records: dict[RawKey, Record] = {}
 
     def child(self, plants: dict[RawKey, Plant] | None = None) -> "Run":
-        return Run(self.harvest, self.want,
-                   self.plants if plants is None else plants, self.cursor)
+        return self.spawn(self.plants if plants is None else plants, self.cursor)
+
+    def spawn(self, plants: dict[RawKey, Plant], cursor: dict | None = None,
+              want: Callable[[RawKey], bool] | None = None) -> "Run":
+        return Run(self.harvest, self.want if want is None else want, plants,
+                   cursor, self.foreign)
 
     # -- recording --------------------------------------------------------
 
@@ -193,7 +200,7 @@ class Run:
     def sow(self, params: dict, vals: list) -> list:
         h = self.harvest
         if not h.owns(params):
-            return vals if h.exclusive else sow_p.bind(*vals, **params)
+            return sow_p.bind(*vals, **params) if self.foreign else vals
         key = raw_key(params)
         plant = self.plants.get(key)
         if params["recompute"]:
@@ -415,7 +422,7 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list) -> list:
         it = iter(extra)
         for k, c in zip(appended, counts):
             plants[k] = attrs.evolve(plants[k], leaves=[next(it) for _ in range(c)])
-        return Run(h, run.want, plants, {})
+        return run.spawn(plants, {})
 
     body_avals = _invar_avals(closed.jaxpr)
     xs_avals = [jax.typeof(x).update(shape=x.shape[1:]) for x in plant_xs]
@@ -583,7 +590,7 @@ def _while(run: Run, eqn: _jax.JaxprEqn, invals: list) -> list:
 
 def _strip_sites(run: Run, closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
     """The body with this harvest's sites consumed (identity), nothing reaped."""
-    quiet = Run(run.harvest, lambda k: False, {}, {})
+    quiet = run.spawn({}, {}, want=lambda k: False)
     jaxpr, consts = _jax.trace_flat(
         lambda *a: quiet.eval(closed.jaxpr, closed.consts, a),
         _invar_avals(closed.jaxpr))
@@ -629,7 +636,7 @@ def _custom_planted(run: Run, eqn: _jax.JaxprEqn, invals: list) -> list:
         plants = dict(run.plants)
         for k, n in zip(keys, sizes):
             plants[k] = attrs.evolve(plants[k], leaves=[next(it) for _ in range(n)])
-        child = Run(run.harvest, run.want, plants, start)
+        child = run.spawn(plants, start)
         out = child.eval(closed.jaxpr, closed.consts, xs)
         return out, child
 
@@ -697,7 +704,7 @@ def _shard_map(run: Run, eqn: _jax.JaxprEqn, invals: list) -> list:
     plant_axes: list = []
     if keys:  # learn each planted site's layout from a plain trace of the body
         with inside():
-            plain, _ = trace_body(Run(run.harvest, lambda k: True), jaxpr, (),
+            plain, _ = trace_body(run.spawn({}, {}, want=lambda k: True), jaxpr, (),
                                   _invar_avals(jaxpr))
         inner = {s.key: s for s in plain.sites}
         for k in keys:
@@ -712,7 +719,7 @@ def _shard_map(run: Run, eqn: _jax.JaxprEqn, invals: list) -> list:
         for k, n in zip(keys, sizes):
             plants[k] = attrs.evolve(plants[k], leaves=[
                 x[0] if ax else x for x, ax in (next(it) for _ in range(n))])
-        return Run(run.harvest, run.want, plants, run.cursor)
+        return run.spawn(plants, run.cursor)
 
     for x, ax, k in zip(plant_leaves, plant_axes,
                         [k for k, n in zip(keys, sizes) for _ in range(n)]):

@@ -190,3 +190,64 @@ def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
     outs = sow_p.bind(*leaves, tag=tag, name=name, mode=mode, scopes=scopes,
                       path=(), tree=tree, effect=tag in tags, recompute=False)
     return jax.tree_util.tree_unflatten(tree, outs)
+
+
+# --- vmap of lax.cond with a batched predicate ----------------------------------
+# JAX turns such a cond into "run every branch, then select". A site in each
+# branch would then be sown once per branch. Instead, lift the branches' sites
+# out as outputs, let JAX select them like any output, and sow the selected
+# value once: the site holds the taken branch's value, element by element.
+
+def _lift_sites(closed):
+    found: list = []
+
+    def fn(*args):
+        env: dict = {}
+        read = lambda v: v.val if isinstance(v, _jax.Literal) else env[v]
+        for v, x in zip(closed.jaxpr.invars, args):
+            env[v] = x
+        for v, x in zip(closed.jaxpr.constvars, closed.consts):
+            env[v] = x
+        lifted = []
+        for eqn in closed.jaxpr.eqns:
+            vals = [read(v) for v in eqn.invars]
+            if eqn.primitive is sow_p:
+                found.append(eqn.params)
+                lifted += vals
+                outs = vals
+            else:
+                outs = eqn.primitive.bind(*vals, **_jax.bind_params(eqn))
+                outs = outs if eqn.primitive.multiple_results else [outs]
+            for v, x in zip(eqn.outvars, outs):
+                env[v] = x
+        return [read(v) for v in closed.jaxpr.outvars] + lifted
+
+    jaxpr, consts = _jax.trace_flat(fn, [v.aval for v in closed.jaxpr.invars])
+    return _jax.ClosedJaxpr(jaxpr, consts), found
+
+
+def _make_cond_batcher(original):
+    def rule(axis_data, args, dims, *, branches, **params):
+        if dims[0] is None or not any(
+                e.primitive is sow_p for b in branches for e in b.jaxpr.eqns):
+            return original(axis_data, args, dims, branches=branches, **params)
+        lifted = [_lift_sites(b) for b in branches]
+        first = lifted[0][1]
+        same = all(ps == first and l.out_avals == lifted[0][0].out_avals
+                   for l, ps in lifted)
+        if not same:  # the harvest reports mismatched branches
+            return original(axis_data, args, dims, branches=branches, **params)
+        outs, out_dims = original(axis_data, args, dims,
+                                  branches=tuple(l for l, _ in lifted), **params)
+        n = len(branches[0].out_avals)
+        site_vals, site_dims = list(outs[n:]), list(out_dims[n:])
+        for p in first:
+            k = p["tree"].num_leaves
+            vals, dms = site_vals[:k], site_dims[:k]
+            del site_vals[:k], site_dims[:k]
+            _batch(vals, dms, **p)
+        return list(outs[:n]), list(out_dims[:n])
+    return rule
+
+
+_jax.wrap_cond_batcher(_make_cond_batcher)

@@ -81,7 +81,8 @@ class Traced:
 
         def fn(*flat):
             args, leaves = flat[:n_args], flat[n_args:]
-            run = Run(self.harvest, wanted.__contains__, self._plants(leaves))
+            run = Run(self.harvest, wanted.__contains__, self._plants(leaves),
+                      foreign=with_out)
             outs = run.eval(closed.jaxpr, closed.consts, args)
             site = [x for k in raw_keys for x in run.records[k].leaves()]
             return [*outs, *site] if with_out else site
@@ -114,8 +115,15 @@ def trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -> Trace
             lambda args, kwargs: f(*args, **kwargs), in_tree, in_avals,
             name=getattr(f, "__name__", "harvested"))
     run = Run(harvest, lambda k: True)
-    _jax.trace_flat(lambda *a: run.eval(closed.jaxpr, closed.consts, a), in_avals)
-    sites = {s.key: s for s in run.sites()}
+    found: list = []
+
+    def analyse(*args):
+        outs = run.eval(closed.jaxpr, closed.consts, args)
+        found.extend(run.sites())
+        return outs
+
+    _jax.trace_flat(analyse, in_avals)
+    sites = {s.key: s for s in found}
     key_of = keys_mod.assign(sites)
     return Traced(harvest, closed, in_avals, out_tree, sites, key_of,
                   {v: k for k, v in key_of.items()},
