@@ -73,8 +73,17 @@ def is_tracer(x: Any) -> bool:
 
 
 def tracer_is_dead(x: Any) -> bool:
-    """A tracer whose trace has ended (it escaped its transformation)."""
-    return isinstance(x, _core.Tracer) and not x._trace.is_valid()
+    """A tracer whose trace is not among the active ones (it has ended)."""
+    if not isinstance(x, _core.Tracer):
+        return False
+    if not x._trace.is_valid():
+        return True
+    t = _core.trace_ctx.trace
+    while t is not None:
+        if t is x._trace:
+            return False
+        t = getattr(t, "parent_trace", None)
+    return True
 
 
 def trace_context() -> Any:

@@ -721,14 +721,6 @@ def _shard_map(run: Run, eqn: _jax.JaxprEqn, invals: list) -> list:
                 x[0] if ax else x for x, ax in (next(it) for _ in range(n))])
         return run.spawn(plants, run.cursor)
 
-    for x, ax, k in zip(plant_leaves, plant_axes,
-                        [k for k, n in zip(keys, sizes) for _ in range(n)]):
-        want = int(np.prod([mesh.shape[a] for a in ax])) if ax else None
-        if ax and x.shape[:1] != (want,):
-            raise HarvestError(
-                f"{run.harvest.where(k)}: a value planted inside shard_map "
-                f"varies over mesh axes {ax}, so it needs a leading axis of "
-                f"size {want} (one slice per device); got shape {x.shape}.")
     in_avals = _invar_avals(jaxpr) + [
         _jax.local_aval(mesh, manual, check, sp, x)
         for sp, x in zip(plant_specs, plant_leaves)]
