@@ -39,7 +39,7 @@ class _Store:
             if not missing:
                 return
             if any(_jax.tracer_is_dead(x) for x in (*self.args, *self.plant_leaves)):
-                names = ", ".join(repr(keys_mod.display(self.traced.key_of[k]))
+                names = ", ".join(repr(keys_mod.display(self.traced.key_of[k][0]))
                                   for k in missing)
                 raise HarvestError(
                     f"harvest of tag {self.traced.harvest.tag!r}: cannot force "
@@ -68,8 +68,8 @@ class DelayedDict(Mapping):
         self._store = store
         self._prefix = prefix
         n = len(prefix)
-        self._leaves = {store.traced.key_of[r][n:]: r for r in store.raw_keys
-                        if store.traced.key_of[r][:n] == prefix}
+        self._leaves = {k[n:]: r for r in store.raw_keys
+                        for k in store.traced.key_of[r] if k[:n] == prefix and k[n:]}
 
     # -- Mapping --------------------------------------------------------------
 
@@ -117,7 +117,7 @@ class DelayedDict(Mapping):
             if avals != traced.in_avals:
                 raise HarvestError(
                     f"harvest of tag {traced.harvest.tag!r}: the continuation of "
-                    f"{keys_mod.display(traced.key_of[raw])!r} takes arguments "
+                    f"{keys_mod.display(traced.key_of[raw][0])!r} takes arguments "
                     f"shaped like the original call {traced.in_avals}, got "
                     f"{avals}. Call the reaped function again for new shapes.")
             prog = traced.program([raw], with_out=False)

@@ -24,7 +24,9 @@ from jax.sharding import PartitionSpec as P
 
 from lazyharvest import _jax
 from lazyharvest.errors import HarvestError
+from lazyharvest.keys import Label
 from lazyharvest.primitive import VJP, sow_p
+from lazyharvest.transforms import Transform, recorded_p
 
 RawKey = tuple  # (path, scopes, name)
 
@@ -35,8 +37,18 @@ def raw_key(params: dict) -> RawKey:
 
 def describe(key: RawKey) -> str:
     path, scopes, name = key
-    parts = [p for p in path if p != "primal"] + list(scopes) + [name]
-    return "/".join(parts)
+    parts = [p.spelled() if isinstance(p, Label) else p for p in path if p != "primal"]
+    return "/".join(parts + list(scopes) + [name])
+
+
+def labels_of(t: Transform) -> tuple:
+    """The path entries a recorded transformation adds to the sites inside."""
+    if t.structural:
+        return (Label(t.name, True, True),)
+    return (Label(t.name, True, False), Label(t.name, False, False))
+
+
+ANY_TAG = object()  # a harvest of every tag (used to strip all sites)
 
 
 @attrs.frozen
@@ -49,7 +61,7 @@ class Harvest:
     exclusive: bool = False
 
     def owns(self, params: dict) -> bool:
-        return params["tag"] == self.tag
+        return self.tag is ANY_TAG or params["tag"] == self.tag
 
     def selects(self, params: dict) -> bool:
         name = params["name"]
@@ -257,7 +269,7 @@ def jaxpr_has_sites(jaxpr: _jax.Jaxpr, tag: Hashable) -> bool:
     hit = _HAS_SITES.get(key)
     if hit is not None and hit[0] is jaxpr:
         return hit[1]
-    found = any((e.primitive is sow_p and e.params["tag"] == tag)
+    found = any((e.primitive is sow_p and (tag is ANY_TAG or e.params["tag"] == tag))
                 or contains_sites(e, tag) for e in jaxpr.eqns)
     if len(_HAS_SITES) > 4096:
         _HAS_SITES.clear()
@@ -288,6 +300,10 @@ def count_occurrences(jaxpr: _jax.Jaxpr, harvest: Harvest) -> dict[RawKey, int]:
             add(count_occurrences(p["branches"][0].jaxpr, harvest))
         elif e.primitive.name == "while":
             continue
+        elif e.primitive is recorded_p:
+            for (path, scopes, name), n in count_occurrences(p["jaxpr"], harvest).items():
+                for label in labels_of(p["transform"]):
+                    add({(path + (label,), scopes, name): n})
         else:
             for j in sub_jaxprs(p):
                 add(count_occurrences(j, harvest))
@@ -764,3 +780,80 @@ def layout_of_aval(aval: Any, axes: tuple, check_vma: bool) -> tuple:
     mat = getattr(aval, "manual_axis_type", None)
     varying = frozenset(getattr(mat, "varying", ()))
     return tuple(a for a in axes if a in varying)
+
+
+def strip_all_sites(closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
+    """`closed` with every site of every tag removed (made the identity)."""
+    run = Run(Harvest(ANY_TAG), lambda k: False, foreign=False)
+    return _strip_sites(run, closed)
+
+
+@rule("recorded_transform")
+def _recorded(run: Run, eqn: _jax.JaxprEqn, invals: list) -> list:
+    """A site under a recorded transformation T has one key per choice of
+    "apply T to its slice" or "see through T" (SPEC 3.3).
+
+    The outputs are T of the inner function with its sites consumed. A leaf
+    is T (or not) applied to the inner leaf function, the slice of the inner
+    jaxpr producing that site as a function of T's inputs.
+    """
+    p = eqn.params
+    t, jaxpr = p["transform"], p["jaxpr"]
+    labels = labels_of(t)
+    inner = count_occurrences(jaxpr, run.harvest)
+    plants: dict = {}
+    for (path, scopes, name), plant in run.plants.items():
+        if path and isinstance(path[-1], Label) and path[-1] in labels:
+            ik = (path[:-1], scopes, name)
+            if ik in inner:
+                plants[ik] = plant
+    extra = [x for pl in plants.values() for x in pl.leaves]
+    extra_axes = [t.site_axis()] * len(extra) if t.name == "vmap" else []
+    sizes = [len(pl.leaves) for pl in plants.values()]
+
+    def inner_run(ex: Sequence[Any], want: Callable) -> Run:
+        it = iter(ex)
+        planted = {k: attrs.evolve(pl, leaves=[next(it) for _ in range(n)])
+                   for (k, pl), n in zip(plants.items(), sizes)}
+        return run.spawn(planted, {}, want=want)
+
+    def plain(*flat):
+        n = len(flat) - len(extra)
+        return inner_run(flat[n:], lambda k: False).eval(jaxpr, (), flat[:n])
+
+    outs = jax.tree_util.tree_leaves(t.call(plain, invals, extra, extra_axes))
+
+    wanted: dict = {}
+    for ik in inner:
+        if ik in plants:
+            continue
+        for label in labels:
+            ok = (ik[0] + (label,), ik[1], ik[2])
+            if run.want(ok):
+                wanted[ok] = (ik, label.chosen)
+    if not wanted:
+        return outs
+    request = list(dict.fromkeys(ik for ik, _ in wanted.values()))
+    modes: dict = {}
+
+    def leaf_fn(*flat):
+        n = len(flat) - len(extra)
+        child = inner_run(flat[n:], set(request).__contains__)
+        child.eval(jaxpr, (), flat[:n])
+        for k in request:
+            modes[k] = child.records[k].mode
+        return tuple(jax.tree_util.tree_unflatten(child.records[k].tree,
+                                                  child.records[k].leaves())
+                     for k in request)
+
+    for chosen in (False, True):
+        group = [ok for ok, (_, c) in wanted.items() if c == chosen]
+        if not group:
+            continue
+        idx = [request.index(wanted[ok][0]) for ok in group]
+        values = t.site_value(lambda *f: tuple(leaf_fn(*f)[i] for i in idx),
+                              invals, chosen, extra, extra_axes)
+        for ok, value in zip(group, values):
+            leaves, tree = jax.tree_util.tree_flatten(value)
+            run.record(ok, modes[wanted[ok][0]], tree, leaves)
+    return outs

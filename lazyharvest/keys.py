@@ -1,27 +1,51 @@
-"""Keys: how a site's identity becomes the tuple a user indexes with.
+"""Keys: how a site's identity becomes the tuples a user indexes with.
 
-A site's raw identity is `(path, scopes, name)`, where `path` lists, innermost
-first, what the site is at each differentiation level it went through
-(`"primal"`, `"jvp"` for a tangent, `"vjp"` for a cotangent). Its key is
-`(*labels, *scopes, name)`:
+A site's raw identity is `(path, scopes, name)`. `path` lists, innermost
+first, what happened around the site:
 
-1. labels are the path without its `"primal"` entries;
+* JAX's own differentiation levels, as strings: `"primal"` (the value at that
+  level), `"jvp"` (its tangent), `"vjp"` (its cotangent);
+* recorded transformations (`lh.grad`, `lh.vmap`, ...), as `Label`s: a
+  differential one is *chosen* (apply it to the slice) or not (see through
+  it); a structural one (`jit`, `vmap`) gives one value either way.
+
+The keys of a site are `(*labels, *scopes, name)`:
+
+1. labels are the path without `"primal"` and without unchosen labels;
+   structural labels may be written or left out (those keys are aliases of
+   one leaf);
 2. a *linear function* (the function `jax.linearize` returns, or the backward
    function of `jax.vjp`) holds only tangent/cotangent copies at its outermost
    level, so that level's label is dropped: reaping it gives plain names
    (the law `reap∘linearize = linearize∘reap`);
 3. when two sites would still share a key (nested differentiation: the
    tangent of the inner level vs the tangent of the outer one), those sites
-   spell out every level, `"primal"` included, so each key is unique.
+   spell out every level: `"primal"` for JAX's, `"~grad"` for an unchosen
+   recorded one, so each key is unique.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterable
+
+import attrs
 
 from lazyharvest.primitive import JVP, PRIMAL, VJP
 
 Key = tuple
+
+
+@attrs.frozen
+class Label:
+    """A recorded transformation at one level of a site's path."""
+
+    name: str
+    chosen: bool
+    structural: bool
+
+    def spelled(self) -> str:
+        return self.name if self.chosen or self.structural else "~" + self.name
 
 
 def normalize(key: Any) -> Key:
@@ -35,15 +59,39 @@ def display(key: Key) -> Any:
     return key[0] if len(key) == 1 else key
 
 
-def assign(raw_keys: Iterable[tuple]) -> dict[tuple, Key]:
-    """Maps each raw `(path, scopes, name)` to its user key (rules above)."""
+def _alternatives(path: tuple, spelled: bool) -> list[tuple]:
+    options: list[list[tuple]] = []
+    for x in path:
+        if isinstance(x, Label):
+            if spelled:
+                options.append([(x.spelled(),)])
+            elif x.structural:
+                options.append([(x.name,), ()])
+            else:
+                options.append([(x.name,)] if x.chosen else [()])
+        else:
+            options.append([(x,)] if spelled or x != PRIMAL else [()])
+    return [tuple(p for part in combo for p in part)
+            for combo in itertools.product(*options)]
+
+
+def assign(raw_keys: Iterable[tuple]) -> dict[tuple, list[Key]]:
+    """Maps each raw `(path, scopes, name)` to its keys, canonical one first."""
     raw = list(raw_keys)
     paths = [p for p, _, _ in raw if p]
-    linear = bool(paths) and all(p[-1] in (JVP, VJP) for p in paths)
+    linear = bool(paths) and all(
+        not any(isinstance(x, Label) for x in p) and p[-1] in (JVP, VJP) for p in paths)
     trimmed = {r: (r[0][:-1] if linear and r[0] else r[0]) for r in raw}
-    short = {r: (*(x for x in trimmed[r] if x != PRIMAL), *r[1], r[2]) for r in raw}
-    seen: dict[Key, int] = {}
-    for k in short.values():
-        seen[k] = seen.get(k, 0) + 1
-    return {r: (short[r] if seen[short[r]] == 1 else (*trimmed[r], *r[1], r[2]))
-            for r in raw}
+    short = {r: list(dict.fromkeys((*labels, *r[1], r[2])
+                                   for labels in _alternatives(trimmed[r], False)))
+             for r in raw}
+    count: dict[Key, int] = {}
+    for ks in short.values():
+        for k in ks:
+            count[k] = count.get(k, 0) + 1
+    out = {}
+    for r in raw:
+        unique = [k for k in short[r] if count[k] == 1]
+        out[r] = unique or [(*labels, *r[1], r[2])
+                            for labels in _alternatives(trimmed[r], True)]
+    return out

@@ -53,7 +53,7 @@ class Traced:
     in_avals: tuple
     out_tree: Any
     sites: dict  # RawKey -> Site, program order
-    key_of: dict  # RawKey -> user key
+    key_of: dict  # RawKey -> [user key], canonical first, then aliases
     raw_of: dict  # user key -> RawKey
     names: frozenset  # every name the tag sows, filtered or not
     plant_spec: tuple = ()  # ((RawKey, mode, additive, n leaves), ...)
@@ -126,7 +126,7 @@ def trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -> Trace
     sites = {s.key: s for s in found}
     key_of = keys_mod.assign(sites)
     return Traced(harvest, closed, in_avals, out_tree, sites, key_of,
-                  {v: k for k, v in key_of.items()},
+                  {u: k for k, us in key_of.items() for u in us},
                   frozenset(_site_names(closed.jaxpr, harvest.tag, set())))
 
 
