@@ -10,6 +10,7 @@ import gc
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -22,6 +23,25 @@ RTOL = 1e-5
 ATOL = 1e-5
 
 
+def _library_version() -> str:
+    """Where lazyharvest was imported from, and its git commit if any."""
+    import lazyharvest
+    where = os.path.dirname(os.path.abspath(lazyharvest.__file__))
+    try:
+        root = os.path.dirname(where)
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--",
+                                "lazyharvest"], capture_output=True, text=True,
+                               timeout=10)
+        if commit.returncode == 0:
+            extra = " + uncommitted changes" if dirty.stdout.strip() else ""
+            return f"{where} @ {commit.stdout.strip()}{extra}"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return where
+
+
 def header(title: str) -> None:
     dev = jax.devices()[0]
     print("=" * 78)
@@ -29,6 +49,7 @@ def header(title: str) -> None:
     print(f"jax {jax.__version__} | backend {jax.default_backend()} | device "
           f"{dev.device_kind} x{jax.device_count()} | {os.cpu_count()} CPU cores | "
           f"python {platform.python_version()}")
+    print(f"lazyharvest {_library_version()}")
     print("=" * 78)
 
 
@@ -79,6 +100,20 @@ def time_once_median(fns: dict[str, Callable[[], Any]], *, repeat: int
                      ) -> dict[str, float]:
     """Median seconds of single calls, interleaved; for one-off work (compiles)."""
     return time_interleaved(fns, number=1, repeat=repeat, warmup=0)
+
+
+class CompileCounter:
+    """Counts XLA compilations (jax.monitoring), to check what a timing covers."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self) -> None:
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event: str, duration: float, **kwargs: Any) -> None:
+        if event == self.EVENT:
+            self.count += 1
 
 
 def flag(ratio: float, target: float) -> str:

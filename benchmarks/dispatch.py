@@ -6,7 +6,8 @@ The same function, with and without `lh.sow` calls, no harvest active:
   * run time: a larger jitted function (8 layers of 512x512 matmul + tanh);
   * the same after a harvest of the tag has traced the function (the jitted
     function must go back to its fast path);
-  * eager (un-jitted) calls, where `sow` is plain Python.
+  * an eager (un-jitted) call of the tiny function, where `sow` is plain
+    Python (validation, then the identity).
 Target: ratio (with sow / without) <= 1.05x.
 
 Run: python benchmarks/dispatch.py
@@ -93,8 +94,8 @@ def main() -> None:
         t = time_interleaved(fns, number=number, repeat=repeat, warmup=20)
         a, b = t["sow"], t["plain"]
         ratio = a / b
-        rows.append([what, n_calls, fmt_us(a), fmt_us(b), f"{ratio:.3f}x",
-                     f"<= {TARGET:.2f}x", flag(ratio, TARGET)])
+        rows.append([what, n_calls, fmt_us(a), fmt_us(b), fmt_us(a - b),
+                     f"{ratio:.3f}x", f"<= {TARGET:.2f}x", flag(ratio, TARGET)])
         results.append((what, ratio, TARGET))
 
     def enqueue(fn, arg, n):
@@ -116,14 +117,14 @@ def main() -> None:
                          number=1, repeat=7, warmup=2)
     ratio = t["sow"] / t["plain"]
     rows.append(["jit dispatch (async), f32[8]", n_tiny, fmt_us(t["sow"] / n_tiny),
-                 fmt_us(t["plain"] / n_tiny), f"{ratio:.3f}x", f"<= {TARGET:.2f}x",
-                 flag(ratio, TARGET)])
+                 fmt_us(t["plain"] / n_tiny), fmt_us((t["sow"] - t["plain"]) / n_tiny),
+                 f"{ratio:.3f}x", f"<= {TARGET:.2f}x", flag(ratio, TARGET)])
     results.append(("jit dispatch (async), f32[8]", ratio, TARGET))
 
-    add(f"jit run, {depth}x f32[{batch},{width}]@[{width},{width}]", 30,
+    add(f"jit run, {depth}x f32[{batch},{width}]@[{width},{width}]", 20,
         {"sow": lambda: jm_sow(ws, x_big).block_until_ready(),
          "plain": lambda: jm_plain(ws, x_big).block_until_ready()},
-        number=30, repeat=7)
+        number=20, repeat=11)
 
     # A harvest of the same jitted function retraces it with effectful sites;
     # plain calls afterwards must still take the fast, site-free path.
@@ -139,13 +140,11 @@ def main() -> None:
         {"sow": lambda: tiny_sow(x_tiny).block_until_ready(),
          "plain": lambda: tiny_plain(x_tiny).block_until_ready()},
         number=1000, repeat=7)
-    add(f"eager (no jit), {depth}x f32[{batch},{width}] mlp", 30,
-        {"sow": lambda: mlp_sow(ws, x_big).block_until_ready(),
-         "plain": lambda: mlp_plain(ws, x_big).block_until_ready()},
-        number=30, repeat=7)
 
-    table(["case", "calls/rep", "with sow µs", "plain JAX µs", "ratio",
-           "target", "flag"], rows)
+    table(["case", "calls/rep", "with sow µs", "plain JAX µs", "diff µs",
+           "ratio", "target", "flag"], rows)
+    print("The eager row has 3 sow calls (one of a 2-leaf dict) around 7 jnp "
+          "ops; 'diff'\nis what those sow calls cost per function call.")
     summary(results)
 
 
