@@ -21,6 +21,7 @@ import numpy as np
 
 from lazyharvest import _jax
 from lazyharvest import keys as keys_mod
+from lazyharvest.keys import Label
 from lazyharvest.errors import HarvestError, closest
 from lazyharvest.interpreter import Harvest, Plant, Run, sub_jaxprs
 from lazyharvest.primitive import VJP, active_tags, current_scopes, harvesting, sow_p
@@ -206,6 +207,11 @@ def resolve_plants(traced: Traced, plants: Any) -> tuple[Traced, list]:
         raw = traced.raw_of[ukey]
         site = traced.sites[raw]
         where = h.where(raw)
+        if any(isinstance(x, Label) and x.chosen and not x.structural for x in raw[0]):
+            raise HarvestError(
+                f"{where}: {keys_mod.display(ukey)!r} is a transformed leaf (a "
+                f"derivative of the site), not a value the program computes; "
+                f"plant the site's own key instead.")
         vals, tree = jax.tree_util.tree_flatten(value)
         if tree != site.tree:
             raise HarvestError(

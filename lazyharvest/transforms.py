@@ -122,8 +122,8 @@ class Transform:
         if self.name == "jvp":
             return jax.jvp(lambda *a: fn(*a), args, self.tangents(flat))[1]
         argnums = k.get("argnums", 0)
-        if self.name in ("vjp", "linearize"):
-            argnums = tuple(range(len(args)))
+        if self.name in ("vjp", "linearize"):  # w.r.t. every primal
+            argnums = tuple(range(len(args))) if len(args) > 1 else 0
         jac_kw = {n: k[n] for n in ("holomorphic",) if n in k}
         if self.name == "hessian":
             return jax.hessian(fn, argnums, **jac_kw)(*args, **kwargs)
