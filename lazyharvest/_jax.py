@@ -72,6 +72,14 @@ def is_tracer(x: Any) -> bool:
     return isinstance(x, _core.Tracer)
 
 
+def any_tracer(xs: Sequence[Any]) -> bool:
+    tracer = _core.Tracer
+    for x in xs:
+        if isinstance(x, tracer):
+            return True
+    return False
+
+
 def tracer_is_dead(x: Any) -> bool:
     """A tracer whose trace is not among the active ones (it has ended)."""
     if not isinstance(x, _core.Tracer):

@@ -33,10 +33,7 @@ def _run(f: Callable, h: Harvest, plants: Any, args: tuple, kwargs: dict,
                                            prog(*flat, *plant_leaves))
     if not with_dict:
         return out
-    planted = {k for k, *_ in traced.plant_spec}
-    store = _Store(traced, flat, plant_leaves,
-                   [k for k in traced.sites if k not in planted])
-    d = DelayedDict(store)
+    d = DelayedDict(_Store(traced, flat, plant_leaves))
     return (out, d) if with_out else d
 
 

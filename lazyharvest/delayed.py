@@ -25,11 +25,11 @@ class HarvestKeyError(HarvestError, KeyError):
 class _Store:
     """State shared by a DelayedDict and its sub-views."""
 
-    def __init__(self, traced: Traced, args: list, plant_leaves: list, raw_keys: list):
+    def __init__(self, traced: Traced, args: list, plant_leaves: list):
         self.traced = traced
         self.args = args
         self.plant_leaves = plant_leaves
-        self.raw_keys = raw_keys  # the leaves this dict offers, program order
+        self.traced_inputs = _jax.any_tracer(args) or _jax.any_tracer(plant_leaves)
         self.values: dict = {}
         self.lock = threading.RLock()
 
@@ -38,7 +38,8 @@ class _Store:
             missing = [k for k in dict.fromkeys(raw_keys) if k not in self.values]
             if not missing:
                 return
-            if any(_jax.tracer_is_dead(x) for x in (*self.args, *self.plant_leaves)):
+            if self.traced_inputs and any(
+                    _jax.tracer_is_dead(x) for x in (*self.args, *self.plant_leaves)):
                 names = ", ".join(repr(keys_mod.display(self.traced.key_of[k][0]))
                                   for k in missing)
                 raise HarvestError(
@@ -68,8 +69,9 @@ class DelayedDict(Mapping):
         self._store = store
         self._prefix = prefix
         n = len(prefix)
-        self._leaves = {k[n:]: r for r in store.raw_keys
-                        for k in store.traced.key_of[r] if k[:n] == prefix and k[n:]}
+        index = store.traced.leaves()
+        self._leaves = index if not n else {
+            k[n:]: r for k, r in index.items() if k[:n] == prefix and k[n:]}
 
     # -- Mapping --------------------------------------------------------------
 
@@ -139,6 +141,17 @@ class DelayedDict(Mapping):
                 node = node.setdefault(part, {})
             node[k[-1]] = self._store.values[self._leaves[k]]
         return out
+
+    def lower(self, *keys: Any) -> Any:
+        """The `jax.stages.Lowered` program that `compute(*keys)` runs.
+
+        For inspection: `.as_text()`, `.compile().memory_analysis()`,
+        `.cost_analysis()`.
+        """
+        wanted = self._expand(keys) if keys else list(self._leaves)
+        raws = list(dict.fromkeys(self._leaves[k] for k in wanted))
+        prog = self._store.traced.program(raws, with_out=False)
+        return prog.fn.lower(*self._store.args, *self._store.plant_leaves)
 
     @property
     def avals(self) -> dict:

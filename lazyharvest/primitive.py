@@ -171,6 +171,8 @@ def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
     reaped without it.
     """
     del key
+    if _jax.in_eager_mode() and isinstance(value, jax.Array) and mode in MODES:
+        return value  # the common case outside any transformation: nothing to do
     if mode not in MODES:
         raise HarvestError(
             f"sow(tag={tag!r}, name={name!r}): unknown mode {mode!r}; use one "

@@ -57,9 +57,18 @@ class Traced:
     key_of: dict  # RawKey -> [user key], canonical first, then aliases
     raw_of: dict  # user key -> RawKey
     names: frozenset  # every name the tag sows, filtered or not
-    plant_spec: tuple = ()  # ((RawKey, mode, additive, n leaves), ...)
+    plant_spec: tuple = ()  # ((RawKey, mode, additive, avals), ...)
+    index: dict | None = None  # user key -> RawKey of the leaves offered, built once
     programs: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)
     lock: Any = attrs.field(factory=threading.RLock)
+
+    def leaves(self) -> dict:
+        """The keys a DelayedDict of this trace offers (planted sites excluded)."""
+        if self.index is None:
+            planted = {k for k, *_ in self.plant_spec}
+            self.index = {u: r for r, us in self.key_of.items() if r not in planted
+                          for u in us}
+        return self.index
 
     def program(self, raw_keys: Sequence[RawKey], with_out: bool) -> Program:
         cache_key = (tuple(raw_keys), with_out)
@@ -157,17 +166,20 @@ def cached_trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -
 
 
 def flatten_args(args: tuple, kwargs: dict) -> tuple[list, Any, tuple]:
+    """Leaves, tree and avals of a call's arguments (checked to be arrays)."""
     leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-    out = []
+    avals = []
     for x in leaves:
-        if not (isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float,
-                               complex)) or _jax.is_tracer(x)):
-            raise HarvestError(
-                f"harvested functions take pytrees of arrays; got an argument "
-                f"leaf of type {type(x).__name__}. Close over non-array "
-                f"arguments (functools.partial) instead.")
-        out.append(x)
-    return out, in_tree, tuple(jax.typeof(x) for x in out)
+        aval = getattr(x, "aval", None)  # arrays and tracers: cheaper than typeof
+        if aval is None:
+            if not isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
+                raise HarvestError(
+                    f"harvested functions take pytrees of arrays; got an argument "
+                    f"leaf of type {type(x).__name__}. Close over non-array "
+                    f"arguments (functools.partial) instead.")
+            aval = jax.typeof(x)
+        avals.append(aval)
+    return leaves, in_tree, tuple(avals)
 
 
 # --- plants ------------------------------------------------------------------
@@ -223,7 +235,8 @@ def resolve_plants(traced: Traced, plants: Any) -> tuple[Traced, list]:
         spec.append((raw, site.mode, bool(raw[0]) and raw[0][-1] == VJP,
                      tuple(jax.typeof(x) for x in cast)))
         leaves += cast
-    return attrs.evolve(traced, plant_spec=tuple(spec), programs=collections.OrderedDict()), leaves
+    return attrs.evolve(traced, plant_spec=tuple(spec), index=None,
+                        programs=collections.OrderedDict()), leaves
 
 
 def _cast_plant(v: Any, aval: Any, where: str) -> Any:
