@@ -245,5 +245,7 @@ def _short(x: Any) -> str:
         return f"<traced {jax.typeof(x).str_short(short_dtypes=True)}>"
     a = np.asarray(x)
     if a.size <= 8:
+        if np.issubdtype(a.dtype, np.floating):  # 6 significant digits, as float32 has
+            return repr(np.vectorize(lambda v: float(f"{v:.6g}"), otypes=[float])(a).tolist())
         return repr(a.tolist())
     return f"<{jax.typeof(x).str_short(short_dtypes=True)}>"
