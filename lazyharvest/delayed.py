@@ -130,9 +130,10 @@ class DelayedDict(Mapping):
     def compute(self, *keys: Any) -> dict:
         """Forces the given leaves (all when none) in one program.
 
-        Returns a plain nested dict of arrays, nested by key parts.
+        Returns a plain nested dict of arrays, nested by key parts. With no
+        keys, each leaf appears once, under its shortest alias.
         """
-        wanted = self._expand(keys) if keys else list(self._leaves)
+        wanted = self._expand(keys) if keys else self._shortest()
         self._store.force([self._leaves[k] for k in wanted])
         out: dict = {}
         for k in wanted:
@@ -148,7 +149,7 @@ class DelayedDict(Mapping):
         For inspection: `.as_text()`, `.compile().memory_analysis()`,
         `.cost_analysis()`.
         """
-        wanted = self._expand(keys) if keys else list(self._leaves)
+        wanted = self._expand(keys) if keys else self._shortest()
         raws = list(dict.fromkeys(self._leaves[k] for k in wanted))
         prog = self._store.traced.program(raws, with_out=False)
         return prog.fn.lower(*self._store.args, *self._store.plant_leaves)
@@ -173,6 +174,13 @@ class DelayedDict(Mapping):
         if raw is None:
             raise self._unknown(k)
         return raw
+
+    def _shortest(self) -> list:
+        best: dict = {}
+        for k, r in self._leaves.items():
+            if r not in best or len(k) < len(best[r]):
+                best[r] = k
+        return list(best.values())
 
     def _expand(self, keys: tuple) -> list:
         out = []

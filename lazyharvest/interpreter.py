@@ -298,8 +298,8 @@ def count_occurrences(jaxpr: _jax.Jaxpr, harvest: Harvest) -> dict[RawKey, int]:
             add(count_occurrences(p["jaxpr"].jaxpr, harvest), p["length"])
         elif e.primitive.name == "cond":
             add(count_occurrences(p["branches"][0].jaxpr, harvest))
-        elif e.primitive.name == "while":
-            continue
+        elif e.primitive.name == "while":  # clobber only: present, count unknown
+            add(count_occurrences(p["body_jaxpr"].jaxpr, harvest))
         elif e.primitive is recorded_p:
             for (path, scopes, name), n in count_occurrences(p["jaxpr"], harvest).items():
                 for label in labels_of(p["transform"]):
@@ -453,6 +453,12 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list) -> list:
     clob = [s for s in body.sites if s.mode == "clobber"]
     app = [s for s in body.sites if s.mode == "append"]
     clob_avals = [a for s in clob for a in s.avals]
+    # A reverse scan runs its last index first: keep that (first) value, so a
+    # clobber site holds the value at the highest index, as in a forward scan.
+    keep_first = bool(p["reverse"] and clob)
+    n_site_carry = len(clob_avals)
+    if keep_first:
+        clob_avals = clob_avals + [jax.typeof(np.bool_(False))]
     nb_consts = len(body.consts)
     inner = body.jaxpr
 
@@ -474,6 +480,11 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list) -> list:
         it = iter(leaves)
         per_site = {s.key: [next(it) for _ in s.avals] for s in body.sites}
         new_clob = [x for s in clob for x in per_site[s.key]]
+        if keep_first:
+            old, seen = args[nb_consts + nconsts + ncarry:][:n_site_carry], args[
+                nb_consts + nconsts + ncarry + n_site_carry]
+            new_clob = [jnp.where(seen, o, n) for o, n in zip(old, new_clob)]
+            new_clob.append(jnp.ones((), bool))
         new_app = [x for s in app for x in per_site[s.key]]
         return [*outs[:ncarry], *new_clob, *outs[ncarry:], *new_app]
 
@@ -494,7 +505,7 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list) -> list:
     outs = bind(eqn, [*body.consts, *consts_in, *carry_in, *_zeros(clob_avals),
                       *xs_in, *plant_xs], params)
     carry_out = outs[:ncarry]
-    clob_out = outs[ncarry:ncarry + len(clob_avals)]
+    clob_out = outs[ncarry:ncarry + n_site_carry]
     n_ys = len(outs) - ncarry - len(clob_avals) - sum(len(s.avals) for s in app)
     ys = outs[ncarry + len(clob_avals):ncarry + len(clob_avals) + n_ys]
     app_out = outs[ncarry + len(clob_avals) + n_ys:]

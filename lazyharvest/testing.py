@@ -135,17 +135,19 @@ def _compare(law: str, key: Any, got: Any, want: Any, rtol: float, atol: float) 
             f"  got:  {_brief(got)}\n  want: {_brief(want)}")
 
 
-def _compare_dicts(law: str, got: Mapping, want: Mapping, rtol: float, atol: float,
-                   keys: Iterable[Key] | None = None) -> None:
-    if keys is None:
-        only_got = [_show(k) for k in got if k not in want]
-        only_want = [_show(k) for k in want if k not in got]
-        if only_got or only_want:
-            raise AssertionError(
-                f"{law}: keys differ: only on the left {only_got}, only on the "
-                f"right {only_want} (max error: n/a)")
-        keys = want
-    for k in keys:
+def _same_keys(law: str, got: Iterable[Key], want: Iterable[Key]) -> None:
+    got, want = list(got), list(want)
+    only_got = [_show(k) for k in got if k not in want]
+    only_want = [_show(k) for k in want if k not in got]
+    if only_got or only_want:
+        raise AssertionError(
+            f"{law}: keys differ: only on the left {only_got}, only on the "
+            f"right {only_want} (max error: n/a)")
+
+
+def _compare_dicts(law: str, got: Mapping, want: Mapping, rtol: float, atol: float) -> None:
+    _same_keys(law, got, want)
+    for k in want:
         _compare(law, k, got[k], want[k], rtol, atol)
 
 
@@ -396,9 +398,8 @@ def check_jit(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     jit = jax.jit if jit is None else jit
     want = _guard(law, lambda: _reaped(f, tag, args))
     d = _guard(law, lambda: lh.reap(jit(f), tag=tag)(*args))
-    plain = {_norm(k) for k in d.keys() if not split_labels(_norm(k))[0]}
-    if plain and plain != set(want):
-        _compare_dicts(_law(4, "reap(jit(f))"), {k: None for k in plain}, want, rtol, atol)
+    if jit is jax.jit:
+        _same_keys(_law(4, "reap(jit(f))"), map(_norm, d.keys()), want)
     for k, v in want.items():
         _compare(_law(4, "reap(jit(f))"), k, _guard(law, lambda: d[k]), v, rtol, atol)
     staged = _guard(law, lambda: jax.jit(lambda *a: _reaped(f, tag, a))(*args))
@@ -457,8 +458,7 @@ def check_vjp(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
         _, bwd = jax.vjp(f, *args)
         return _reaped(bwd, tag, (ct_out,))
     got_b = _guard(law_b, left_b)
-    _compare_dicts(law_b, {k: None for k in got_b}, {k: None for k in values}, rtol, atol,
-                   keys=()) if set(got_b) != set(values) else None
+    _same_keys(law_b, got_b, values)
     if keys is None:
         keys = _default_keys(f, args, tag, values, lambda i: i.once)
     for k in map(_norm, keys):
@@ -648,12 +648,16 @@ class LawReport:
         return "\n".join(f"law {n} ({LAWS[n][1]}): {r}" for n, r in sorted(self.results.items()))
 
 
-def _batched(args: Sequence[Any]) -> tuple:
-    """Two examples of `args` stacked along a new leading axis."""
+def _batched(args: Sequence[Any], in_axes: int) -> tuple:
+    """Two examples of `args` stacked along a new axis `in_axes` (an int)."""
+    if not isinstance(in_axes, int):
+        raise ValueError("check_all: vmap_axes takes integer in_axes; call "
+                         "check_vmap with batched inputs for other in_axes")
+
     def one(x: Any) -> Any:
         x = jnp.asarray(x)
         other = x * 0.75 + 0.125 if _is_float(x) else x
-        return jnp.stack([x, other])
+        return jnp.stack([x, other], axis=in_axes)
     return tuple(jax.tree_util.tree_map(one, a) for a in args)
 
 
@@ -711,9 +715,12 @@ def check_all(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL, atol: 
     run(2, lambda: check_jvp(f, *args, **kw),
         label_skip or (None if forward_ok else "needs floating inputs and outputs"))
     vmap = getattr(lh, "vmap", None)
-    bargs = _batched(args)
-    run(3, lambda: [check_vmap(f, *bargs, in_axes=i, out_axes=o, **kw) for i, o in vmap_axes],
-        None if vmap is not None else "needs lh.vmap (recorded transforms)")
+
+    def law3() -> None:
+        for in_axes, out_axes in vmap_axes:
+            bargs = _batched(args, in_axes)
+            check_vmap(f, *bargs, in_axes=in_axes, out_axes=out_axes, **kw)
+    run(3, law3, None if vmap is not None else "needs lh.vmap (recorded transforms)")
     run(4, lambda: check_jit(f, *args, **kw))
     run(5, lambda: check_vjp(f, *args, **kw), label_skip or (None if reverse_ok else why_not))
     run(6, lambda: check_roundtrip(f, *args, **kw))
@@ -912,6 +919,7 @@ class Scan:
     xs: int
     body: tuple
     reverse: bool = False
+    dense: bool = False  # the carry update uses every body variable, not the last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1083,28 +1091,22 @@ class _Interp:
             local = list(env) + [c, xi]
             sub = ctx if self.lh else ctx.iteration(i, length, i == last_i)
             new, body_sites = self.block(st.body, local, sub)
-            last = (local + new)[-1]
-            c2 = 0.5 * c + jnp.tanh(_fit(last, shape))
-            y = _fit(last, ())
+            modes.update({k: m for k, (m, _) in body_sites.items()})  # static
+            used = new if st.dense else new[-1:]
+            total = sum(_fit(v, shape) for v in used)
+            c2 = 0.5 * c + jnp.tanh(total)
+            y = _fit(total, ())
             return c2, (y, {k: v for k, (_, v) in body_sites.items()}
                         if not self.lh else {})
-        modes_holder: dict = {}
-        if not self.lh:  # learn the modes of the body's sites (static)
-            def probe(c: Any, inp: Any) -> Any:
-                xi, i = inp
-                sub = ctx.iteration(i, length, i == last_i)
-                _, s = self.block(st.body, list(env) + [c, xi], sub)
-                modes_holder.update({k: m for k, (m, _) in s.items()})
-                return c, None
-            jax.eval_shape(lambda: lax.scan(probe, carry0, (xs, jnp.arange(length))))
+        modes: dict = {}
         c, (ys, stacked) = lax.scan(body, carry0, (xs, jnp.arange(length)),
                                     reverse=st.reverse)
         for k, v in stacked.items():
-            if modes_holder[k] == "append":  # (length, rows, ...) -> (length * rows, ...)
+            if modes[k] == "append":  # (length, rows, ...) -> (length * rows, ...)
                 v = jax.tree_util.tree_map(lambda a: a.reshape((-1,) + a.shape[2:]), v)
                 sites[k] = ("append", v)
             else:
-                sites[k] = (modes_holder[k], jax.tree_util.tree_map(lambda a: a[last_i], v))
+                sites[k] = (modes[k], jax.tree_util.tree_map(lambda a: a[last_i], v))
         return [c, ys]
 
     def cond(self, st: Cond, env: list, ctx: _Ctx, sites: dict) -> list:
@@ -1211,7 +1213,7 @@ class Program:
 
     @functools.cached_property
     def keys(self) -> list[Key]:
-        """Site keys ``(*scopes, name)``, in program order."""
+        """Site keys ``(*scopes, name)``, sorted."""
         return list(jax.eval_shape(self.sites_fn, *self.example_args(0)))
 
     @functools.cached_property
@@ -1282,7 +1284,7 @@ class Program:
         return "while" not in self.constructs
 
     def __repr__(self) -> str:
-        args = "x" + (", p" for _ in [0]).__next__() if self.tree_input else "x"
+        args = "x, p" if self.tree_input else "x"
         lines = [f"def random_program({args}):  # tag={self.tag!r}, N={N}"]
         env = ["x"] + (['p["a"]', 'p["b"]'] if self.tree_input else [])
         counter = [len(env)]
@@ -1335,8 +1337,7 @@ def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool) -> Non
                 found.add("nested_scan")
             _constructs(st.body, found, scope_depth, True)
         elif isinstance(st, Cond):
-            found.add(st.kind)
-            found.add("site")
+            found.update({st.kind, "site"})
             if in_scan:
                 found.add("scan_append" if st.mode == "append" else "scan_clobber")
         elif isinstance(st, While):
@@ -1400,9 +1401,14 @@ def _render(body: tuple, names: list, counter: list, lines: list, ind: str) -> N
                 val = names[st.srcs[0]]
             else:
                 val = f'{{"a": {names[st.srcs[0]]}, "b": {names[st.srcs[1]]}}}'
-            new(f"sow({val}, name={st.name!r}, mode={st.mode!r})")
             if len(st.srcs) == 2 and st.const is None:
-                new(f'{names[-1]}["b"]  # and {names[-1]}["a"] above')
+                a, b = f"v{counter[0]}", f"v{counter[0] + 1}"
+                counter[0] += 2
+                names += [a, b]
+                lines.append(f'{ind}{a}, {b} = sow({val}, name={st.name!r}, '
+                             f'mode={st.mode!r}).values()')
+            else:
+                new(f"sow({val}, name={st.name!r}, mode={st.mode!r})")
         elif isinstance(st, (Scope, Jit, Remat)):
             head = {Scope: lambda: f"nest(scope={getattr(st, 'scope', '')!r})",
                     Jit: lambda: "jax.jit", Remat: lambda: "jax.checkpoint"}[type(st)]()
@@ -1413,7 +1419,9 @@ def _render(body: tuple, names: list, counter: list, lines: list, ind: str) -> N
                          f"reverse={st.reverse}) as (c, xi):")
             inner = names + ["c", "xi"]
             _render(st.body, inner, counter, lines, ind + "    ")
-            lines.append(f"{ind}    c = 0.5 * c + tanh(fit({inner[-1]})); y = sum({inner[-1]})")
+            used = inner[len(names) + 2:] if st.dense else inner[-1:]
+            total = " + ".join(f"fit({u})" for u in used)
+            lines.append(f"{ind}    t = {total}; c = 0.5 * c + tanh(t); y = sum(t)")
             new("final carry")
             new("stacked y")
         elif isinstance(st, Cond):
@@ -1443,8 +1451,10 @@ def _strategies() -> Any:
 class _Gen:
     """State while drawing one program: variable shapes, names, depth."""
 
-    def __init__(self, draw: Callable, allowed: frozenset, max_statements: int, max_depth: int):
+    def __init__(self, draw: Callable, allowed: frozenset, max_statements: int, max_depth: int,
+                 dead_code: bool = True):
         self.draw = draw
+        self.dead_code = dead_code
         self.allowed = allowed
         self.max_statements = max_statements
         self.max_depth = max_depth
@@ -1489,7 +1499,8 @@ class _Gen:
     def mode(self, loop: bool) -> str:
         if not loop:
             return "strict"
-        return self.draw(self.st().sampled_from(["append", "clobber"]))
+        options = [m for m in ("append", "clobber") if f"scan_{m}" in self.allowed]
+        return self.draw(self.st().sampled_from(options or ["append"]))
 
     def statement(self, kind: str, shapes: list, scopes: tuple, depth: int,
                   loop: bool) -> tuple[Any, list]:
@@ -1529,13 +1540,13 @@ class _Gen:
             carry = self.pick(shapes)
             xs = self.pick(shapes, vec)
             inner = shapes + [shapes[carry], ()]
-            body, _ = self.block(inner, scopes, depth + 1, True, 1, 3)
+            body, new = self.block(inner, scopes, depth + 1, True, 1, 3)
             if not any(isinstance(s, (Sow, Cond, While, Scope, Scan, Jit, Remat))
                        for s in body):
-                body += (Sow(self.name(scopes), (len(inner) + len(body) - 1,),
+                body += (Sow(self.name(scopes), (len(inner) + len(new) - 1,),
                              self.mode(True)),)
             reverse = draw(st.booleans()) if "reverse_scan" in self.allowed else False
-            return Scan(carry, xs, body, reverse), [shapes[carry], vec]
+            return Scan(carry, xs, body, reverse, not self.dead_code), [shapes[carry], vec]
         if kind in ("cond", "switch"):
             n_br = 2 if kind == "cond" else 3
             length = draw(st.integers(1, 3))
@@ -1557,7 +1568,7 @@ class _Gen:
 
 
 def programs(*, exclude: Iterable[str] = (), max_statements: int = 5, max_depth: int = 2,
-             outputs: Sequence[str] = ("scalar", "array", "tree"),
+             outputs: Sequence[str] = ("scalar", "array", "tree"), dead_code: bool = True,
              tag: str = "law") -> Any:
     """A hypothesis strategy of random ``Program`` s.
 
@@ -1565,7 +1576,9 @@ def programs(*, exclude: Iterable[str] = (), max_statements: int = 5, max_depth:
     for reverse mode, ``{"constant"}``); ``outputs`` restricts the output
     kind (``"scalar"``, ``"array"`` or the pytree ``"tree"``). Programs are
     small: at most ``max_statements`` top-level statements, blocks nested
-    ``max_depth`` deep. They always sow at least one site.
+    ``max_depth`` deep. They always sow at least one site. With
+    ``dead_code=False`` every variable reaches the output (the output and
+    every scan carry combine all variables), so no site is dead code.
     """
     st = _strategies()
     exclude = frozenset(exclude)
@@ -1577,7 +1590,7 @@ def programs(*, exclude: Iterable[str] = (), max_statements: int = 5, max_depth:
 
     @st.composite
     def draw_program(draw: Callable) -> Program:
-        gen = _Gen(draw, allowed, max_statements, max_depth)
+        gen = _Gen(draw, allowed, max_statements, max_depth, dead_code)
         tree_input = "pytree_in" in allowed and draw(st.booleans())
         shapes: list = [(N,)] + ([(N,), ()] if tree_input else [])
         body, new = gen.block(shapes, (), 0, False, 1, max_statements)
@@ -1589,7 +1602,10 @@ def programs(*, exclude: Iterable[str] = (), max_statements: int = 5, max_depth:
                                         "tree": "pytree_out"}[k] in allowed]
         kind = draw(st.sampled_from(kinds))
         last = len(shapes) - 1
-        rest = draw(st.sets(st.integers(0, last), max_size=2))
+        if dead_code:
+            rest = draw(st.sets(st.integers(0, last), max_size=2))
+        else:
+            rest = set(range(last))
         srcs = tuple(sorted(rest | {last}))
         if kind != "scalar" and all(shapes[i] == () for i in srcs):
             srcs = (0,) + srcs
