@@ -143,18 +143,8 @@ def eqn_context(eqn: JaxprEqn):
     return eqn.ctx.manager
 
 
-def wrap_flat(fn: Callable, like: Any) -> Any:
-    """A linear_util wrapper around `fn`, reusing the debug info of `like`."""
-    return lu.wrap_init(fn, debug_info=like.debug_info)
-
-
 def effects_of(jaxpr: Jaxpr) -> Any:
     return jaxpr.effects
-
-
-def jaxpr_without_debug_info(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """Drops debug info, which can hold references to user callables."""
-    return closed
 
 
 def shard_map_body_context(mesh: Any, manual_axes: frozenset, check_vma: bool):
@@ -172,15 +162,10 @@ def shard_map_body_context(mesh: Any, manual_axes: frozenset, check_vma: bool):
     return stack
 
 
-def varying_axes(x: Any) -> frozenset:
-    """Mesh axes over which a value inside shard_map varies."""
-    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+def varying_axes(aval: Any) -> frozenset:
+    """Mesh axes over which a value (given by its aval) varies inside shard_map."""
+    mat = getattr(aval, "manual_axis_type", None)
     return frozenset(getattr(mat, "varying", ()))
-
-
-def make_varying(x: Any, axes: tuple) -> Any:
-    missing = tuple(a for a in axes if a not in varying_axes(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def local_aval(mesh: Any, manual_axes: frozenset, check_vma: bool, spec: Any,

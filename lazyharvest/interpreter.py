@@ -716,7 +716,7 @@ def _shard_map(run: Run, eqn: _jax.JaxprEqn, invals: list) -> list:
     axes = tuple(a for a in mesh.axis_names if a in manual)
 
     def layout(x: Any) -> tuple:
-        return (tuple(a for a in axes if a in _jax.varying_axes(x)) if check else axes)
+        return layout_of_aval(jax.typeof(x), axes, check)
 
     def spec(ax: tuple) -> Any:
         return P(ax if len(ax) > 1 else ax[0]) if ax else P()
@@ -786,10 +786,10 @@ def _shard_map(run: Run, eqn: _jax.JaxprEqn, invals: list) -> list:
 
 
 def layout_of_aval(aval: Any, axes: tuple, check_vma: bool) -> tuple:
+    """The manual axes a per-device value varies over (all, without vma types)."""
     if not check_vma:
         return axes
-    mat = getattr(aval, "manual_axis_type", None)
-    varying = frozenset(getattr(mat, "varying", ()))
+    varying = _jax.varying_axes(aval)
     return tuple(a for a in axes if a in varying)
 
 
