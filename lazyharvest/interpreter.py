@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from lazyharvest import _jax
 from lazyharvest.errors import HarvestError
 from lazyharvest.keys import Label
-from lazyharvest.primitive import VJP, sow_p
+from lazyharvest.primitive import sow_p
 from lazyharvest.transforms import Transform, recorded_p
 
 RawKey = tuple  # (path, scopes, name)

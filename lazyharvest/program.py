@@ -23,7 +23,7 @@ from lazyharvest import _jax
 from lazyharvest import keys as keys_mod
 from lazyharvest.keys import Label
 from lazyharvest.errors import HarvestError, closest
-from lazyharvest.interpreter import Harvest, Plant, Run, sub_jaxprs
+from lazyharvest.interpreter import Harvest, Plant, RawKey, Run, sub_jaxprs
 from lazyharvest.primitive import VJP, active_tags, current_scopes, harvesting, sow_p
 
 PROGRAM_CACHE_SIZE = 64

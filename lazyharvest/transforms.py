@@ -18,7 +18,6 @@ from typing import Any, Callable, Sequence
 
 import attrs
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from lazyharvest import _jax

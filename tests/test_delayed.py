@@ -6,7 +6,6 @@ import weakref
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import lazyharvest as lh

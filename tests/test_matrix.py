@@ -8,7 +8,6 @@ w.r.t. `eps`), tangents and plants are all checked against it.
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import lax
 

@@ -6,7 +6,6 @@ from contextlib import redirect_stdout
 import jax
 import jax.ad_checkpoint
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 import lazyharvest as lh

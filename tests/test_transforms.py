@@ -1,10 +1,8 @@
 """Recorded transforms (SPEC 3.3): same results as JAX, and transformed-slice leaves."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import lax
 
