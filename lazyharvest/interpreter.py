@@ -421,16 +421,22 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list) -> list:
     closed, length = p["jaxpr"], p["length"]
     nconsts, ncarry = p["num_consts"], p["num_carry"]
     h = run.harvest
-    # Append plants are sliced per iteration and fed as scan inputs.
+    # Append plants are sliced per iteration and fed as scan inputs. So is a
+    # cotangent planted at a clobber site: it belongs to the value reaped, the
+    # one at the highest index, and is added there only.
     per_iter = count_occurrences(closed.jaxpr, h)
     appended = [k for k, pl in run.plants.items()
-                if pl.mode == "append" and per_iter.get(k)]
+                if per_iter.get(k) and (pl.mode == "append" or pl.additive)]
     plant_xs = []
     for k in appended:
-        start, n = run.cursor.get(k, 0), per_iter[k] * length
-        run.cursor[k] = start + n
-        plant_xs += [x[start:start + n].reshape(length, per_iter[k], *x.shape[1:])
-                     for x in run.plants[k].leaves]
+        if run.plants[k].mode == "append":
+            start, n = run.cursor.get(k, 0), per_iter[k] * length
+            run.cursor[k] = start + n
+            plant_xs += [x[start:start + n].reshape(length, per_iter[k], *x.shape[1:])
+                         for x in run.plants[k].leaves]
+        else:
+            plant_xs += [jnp.zeros((length, *jnp.shape(x)), x.dtype).at[length - 1].set(x)
+                         for x in run.plants[k].leaves]
     counts = [len(run.plants[k].leaves) for k in appended]
 
     def make_child(extra: list) -> Run:

@@ -234,7 +234,7 @@ def _function_transform(name: str, jax_fn: Callable):
         params = _bind_signature(jax_fn, fun, targs, tkwargs)
         plain = jax_fn(fun, *targs, **tkwargs)
 
-        @functools.wraps(fun)
+        @functools.wraps(fun, updated=())
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if not _recording():
                 return plain(*args, **kwargs)
@@ -268,10 +268,10 @@ class _RecordedJit:
     are the jitted function's."""
 
     def __init__(self, fun: Callable, kwargs: dict):
+        functools.update_wrapper(self, fun, updated=())  # copy no attributes
         self._fun = fun
         self._kwargs = kwargs
         self._jitted = jax.jit(fun, **kwargs)
-        functools.update_wrapper(self, fun)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not _recording():
