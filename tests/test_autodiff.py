@@ -224,3 +224,21 @@ def test_cotangent_inside_cond_and_checkpoint():
     close(d["k"], np.sin(0.6))
     close(d["vjp", "k"], 5.)
     close(d["vjp", "b"], 5. * np.cos(0.6))
+
+
+def test_cotangent_planted_at_clobber_scan_site_goes_to_last_index():
+    def g(x):
+        def body(c, xi):
+            return lh.sow(c * xi, tag="t", name="c", mode="clobber"), None
+        return jax.lax.scan(body, 1., x)[0]
+    x = jnp.array([2., 3., 4.])
+    ct = 5.
+    _, g_vjp = jax.vjp(g, x)
+    got = lh.plant(g_vjp, tag="t")({"c": ct}, 1.)
+
+    def out_and_sites(x):
+        out, d = lh.call_and_reap(g, tag="t")(x)
+        return out, d.compute()
+    expected = jax.vjp(out_and_sites, x)[1]((1., {"c": ct}))
+    close(got, expected)
+    close(got, ((1. + ct) * jnp.array([12., 8., 6.]),))

@@ -261,3 +261,14 @@ def test_jacobian_leaf_picks_mode_by_size():
     close(d["grad", "wide"], jax.jacfwd(lambda x: jnp.sin(w @ x))(jnp.ones(2)), rtol=1e-5)
     # forward mode: 2 tangent directions, no 50x50 cotangent basis
     assert "50x50" not in d.lower(("grad", "wide")).as_text()
+
+
+def test_jit_around_transform_around_jit_keeps_every_level():
+    g = lambda x: jnp.sum(sow(x ** 3, tag="t", name="x3"))
+    x = jnp.array([1., 2.])
+    d = lh.reap(lh.jit(lh.grad(lh.jit(g))), tag="t")(x)
+    assert ("jit", "grad", "jit", "x3") in d
+    close(d["grad", "x3"], jax.jacrev(lambda v: v ** 3)(x))
+    d = lh.reap(lh.jit(lh.vmap(lh.jit(lambda v: sow(v * 2, tag="t", name="s")),
+                              out_axes=1)), tag="t")(jnp.ones((3, 2)))
+    assert d["s"].shape == (2, 3)
