@@ -657,10 +657,10 @@ def _custom_planted(run: Run, eqn: _jax.JaxprEqn, invals: list) -> list:
     derivative, like any constant.
     """
     closed = eqn.params["call_jaxpr"]
-    keys = [k for k in count_occurrences(closed.jaxpr, run.harvest) if k in run.plants]
+    counts = count_occurrences(closed.jaxpr, run.harvest)
+    keys = [k for k in counts if k in run.plants]
     plant_leaves = [x for k in keys for x in run.plants[k].leaves]
     sizes = [len(run.plants[k].leaves) for k in keys]
-    counts = count_occurrences(closed.jaxpr, run.harvest)
     start = dict(run.cursor)
 
     def planted(*args):
