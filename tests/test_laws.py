@@ -1,0 +1,694 @@
+"""The laws of docs/laws.md, run with `lazyharvest.testing` over random programs
+and hand-written models; every checker is shown to fail on a broken harvest.
+
+Where the contract's statement of a law is narrowed, a `test_narrowed_*` test
+shows the counterexample. Bugs the laws found (since fixed) stay as
+`test_regression_*` tests. A law that finds a new bug gets an
+`xfail(strict=True)` test with a minimal reproducer, and the property tests
+leave out the construct that triggers it, with a comment naming that test.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, find, given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+import lazyharvest as lh
+from lazyharvest import testing as T
+from lazyharvest.primitive import JVP, PRIMAL, VJP, sow_p
+
+HAS_TRANSFORMS = all(hasattr(lh, n) for n in ("vmap", "jit", "grad", "jacfwd", "jacrev"))
+needs_transforms = pytest.mark.xfail(not HAS_TRANSFORMS, reason="needs recorded transforms",
+                                     strict=False)
+
+# Few, small examples: every example compiles a handful of XLA programs.
+FEW = settings(max_examples=10, suppress_health_check=list(HealthCheck))
+FEWER = settings(max_examples=6, suppress_health_check=list(HealthCheck))
+
+
+@st.composite
+def program_and_args(draw, **kw):
+    p = draw(T.programs(**kw))
+    return p, draw(T.inputs(p))
+
+
+# --- the laws over random programs ---------------------------------------------------
+
+@FEW
+@given(program_and_args())
+def test_law1_linearize(pa):
+    p, args = pa
+    T.check_linearize(p.fn, *args, tag=p.tag)
+
+
+@FEW
+@given(program_and_args())
+def test_law2_jvp(pa):
+    p, args = pa
+    T.check_jvp(p.fn, *args, tag=p.tag)
+
+
+@needs_transforms
+@FEW
+@given(st.data())
+def test_law3_vmap(data):
+    p = data.draw(T.programs())
+    s = data.draw(T.transform_stacks(p, kinds=("vmap",), max_depth=1))
+    args = data.draw(T.inputs(p, s))
+    (t,) = s.transforms
+    T.check_vmap(p.fn, *args, tag=p.tag, in_axes=t.in_axes, out_axes=t.out_axes)
+
+
+@FEW
+@given(program_and_args())
+def test_law4_jit(pa):
+    p, args = pa
+    T.check_jit(p.fn, *args, tag=p.tag)
+
+
+@needs_transforms
+@FEWER
+@given(program_and_args())
+def test_law4_recorded_jit(pa):
+    p, args = pa
+    T.check_jit(p.fn, *args, tag=p.tag, jit=lh.jit)
+
+
+@FEW
+@given(program_and_args(exclude={"while"}))  # no reverse mode through while_loop
+def test_law5_vjp(pa):
+    p, args = pa
+    T.check_vjp(p.fn, *args, tag=p.tag)
+
+
+@FEW
+@given(program_and_args())
+def test_law6_roundtrip(pa):
+    p, args = pa
+    T.check_roundtrip(p.fn, *args, tag=p.tag)
+
+
+# Constructs that trigger a known bug under reverse mode inside the harvest.
+REVERSE_BUGS = {
+    "invariant_append_site",  # test_bug_invariant_append_site_under_grad
+    "cond_in_checkpoint",  # test_bug_dead_cond_site_in_checkpoint_*
+}
+
+
+@FEW
+@given(program_and_args())
+def test_law7_lazy_equals_direct_definition(pa):
+    p, args = pa
+    T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices)
+
+
+@FEW
+@given(program_and_args(exclude={"while"} | REVERSE_BUGS))
+def test_law7_reverse_mode_keys(pa):
+    p, args = pa
+    T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices, perturb=p.perturb)
+
+
+@needs_transforms
+@FEWER
+@given(st.data())
+def test_law7_recorded_transforms(data):
+    p = data.draw(T.programs(max_statements=4))
+    s = data.draw(T.transform_stacks(p))
+    args = data.draw(T.inputs(p, s))
+    T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices, stack=s)
+
+
+@FEW
+@given(program_and_args())
+def test_law8_compute_equals_one_by_one(pa):
+    p, args = pa
+    T.check_compute(p.fn, *args, tag=p.tag)
+
+
+@FEW
+@given(program_and_args())
+def test_law9_nest(pa):
+    p, args = pa
+    T.check_nest(p.fn, *args, tag=p.tag)
+
+
+# --- every law on the simplest program with each construct ----------------------------
+
+_CORPUS: dict = {}
+
+
+def simplest_with(construct):
+    """The simplest generated program using `construct` (deterministic)."""
+    if construct not in _CORPUS:
+        _CORPUS[construct] = find(
+            T.programs(), lambda p: construct in p.constructs,
+            settings=settings(max_examples=2000, database=None, derandomize=True))
+    return _CORPUS[construct]
+
+
+@pytest.mark.parametrize("construct", sorted(T.CONSTRUCTS))
+def test_generator_covers_construct(construct):
+    assert construct in simplest_with(construct).constructs
+
+
+@pytest.mark.parametrize("construct", sorted(T.CONSTRUCTS - {"site", "elementwise"}))
+def test_every_law_on_construct(construct):
+    p = simplest_with(construct)
+    args = p.example_args(7)
+    laws = set(T.LAWS)
+    reverse = p.reverse_differentiable and not p.constructs & REVERSE_BUGS
+    report = T.check_all(p.fn, *args, tag=p.tag, slices=p.slices, laws=laws,
+                         perturb=p.perturb if reverse else None)
+    expected = laws - ({3} if not HAS_TRANSFORMS else set())
+    if not p.reverse_differentiable:
+        expected -= {5}  # no reverse mode through while_loop
+    assert set(report.passed()) == expected, str(report)
+
+
+def test_generator_respects_exclude_and_dead_code():
+    found = []
+
+    @settings(max_examples=40, database=None, derandomize=True)
+    @given(T.programs(exclude={"while", "scan", "constant"}, dead_code=False))
+    def collect(p):
+        found.append(p)
+    collect()
+    for p in found:
+        assert not p.constructs & {"while", "scan", "constant"}
+        assert len(p.output.srcs) >= 1
+    with pytest.raises(ValueError, match="unknown constructs"):
+        T.programs(exclude={"nonsense"})
+
+
+def test_oracle_is_independent_of_lazyharvest(monkeypatch):
+    # The slices, plants and perturbations never call sow.
+    p = find(T.programs(), lambda p: {"scan", "cond", "scope"} <= p.constructs,
+             settings=settings(max_examples=3000, database=None, derandomize=True))
+    args = p.example_args(3)
+
+    def no_sow(*a, **k):
+        raise AssertionError("the oracle called lh.sow")
+    monkeypatch.setattr(lh, "sow", no_sow)
+    values = {k: s(*args) for k, s in p.slices.items()}
+    p.plant({}, *args)
+    p.perturb({}, *args)
+    assert set(values) == set(p.keys)
+
+
+def test_program_repr_is_a_listing():
+    p = find(T.programs(), lambda p: "scan" in p.constructs,
+             settings=settings(max_examples=2000, database=None, derandomize=True))
+    text = repr(p)
+    assert text.startswith("def random_program(") and "scan(" in text
+
+
+def test_stacks_and_inputs_agree():
+    seen = []
+
+    @settings(max_examples=30, database=None, derandomize=True)
+    @given(st.data())
+    def draw(data):
+        p = data.draw(T.programs(max_statements=2))
+        s = data.draw(T.transform_stacks(p))
+        args = data.draw(T.inputs(p, s))
+        assert 1 <= len(s.transforms) <= 3
+        jax.eval_shape(s.apply(p.fn, jax), *args)  # the inputs fit the stack
+        seen.extend(t.kind for t in s.transforms)
+    draw()
+    assert {"grad", "jacfwd", "jacrev", "vmap", "jit"} <= set(seen)
+
+
+def test_site_info_modes_and_counts():
+    def f(x):
+        a = lh.sow(x, tag="t", name="a")
+        c = lax.scan(lambda c, xi: (lh.sow(c + xi, tag="t", name="c", mode="clobber"),
+                                    lh.sow(c * xi, tag="t", name="p", mode="append")),
+                     0., x)[0]
+        b = lax.cond(c > 0, lambda v: lh.sow(v, tag="t", name="b"),
+                     lambda v: lh.sow(-v, tag="t", name="b"), a)
+        return lh.nest(lambda v: lh.sow(v, tag="t", name="n"), scope="s")(b)
+    info = T.site_info(f, jnp.ones(3), tag="t")
+    assert info["a",].once and info["b",].once and info["s", "n"].once
+    assert info["c",].mode == "clobber" and not info["c",].once
+    assert info["p",].mode == "append" and info["p",].count == np.inf
+
+
+# --- hand-written models -------------------------------------------------------------
+
+def _sow_lh(tag):
+    def site(v, scope, name, mode="strict"):
+        return lh.nest(lambda u: lh.sow(u, tag=tag, name=name, mode=mode), scope=scope)(v)
+    return site
+
+
+def _sow_oracle(record, eps):
+    """A site in JAX alone: records the value, with `eps` added."""
+    def site(v, scope, name, mode="strict"):
+        v = v + eps.get((scope, name), 0.)
+        record[(scope, name)] = v
+        return v
+    return site
+
+
+def mlp(params, x, site):
+    h = x
+    for i, (w, b) in enumerate(params):
+        h = site(jnp.tanh(h @ w + b), f"layer{i}", "h")
+    return jnp.sum(h ** 2)
+
+
+def attention(params, x, site):
+    wq, wk, wv, wo = params
+    q, k, v = x @ wq, x @ wk, x @ wv
+    scores = site(q @ k.T / np.sqrt(q.shape[-1]), "attn", "scores")
+    weights = site(jax.nn.softmax(scores, axis=-1), "attn", "weights")
+    out = site(weights @ v, "attn", "out")
+    return jnp.mean(jnp.tanh(out @ wo))
+
+
+def rnn(params, xs, site):
+    w, u, e = params
+    emb = site(xs @ e, "rnn", "embed")
+
+    def step(h, x):
+        h = site(jnp.tanh(w @ h + u @ x), "rnn", "h", "append")
+        return h, h
+    h, hs = lax.scan(step, jnp.zeros(w.shape[0]), emb)
+    return jnp.sum(h) + 0.1 * jnp.sum(hs ** 2)
+
+
+def rnn_oracle(eps, params, xs):
+    """The RNN in JAX alone: output and site values, `eps` added (a row per step)."""
+    w, u, e = params
+    emb = xs @ e + eps.get(("rnn", "embed"), 0.)
+    dh = eps.get(("rnn", "h"), jnp.zeros((xs.shape[0], w.shape[0])))
+
+    def step(h, inp):
+        x, d = inp
+        h = jnp.tanh(w @ h + u @ x) + d
+        return h, h
+    h, hs = lax.scan(step, jnp.zeros(w.shape[0]), (emb, dh))
+    return jnp.sum(h) + 0.1 * jnp.sum(hs ** 2), {("rnn", "embed"): emb, ("rnn", "h"): hs}
+
+
+def _model_case(name):
+    r = np.random.RandomState(0)
+    n = lambda *s: jnp.asarray(r.standard_normal(s) * 0.5, jnp.float32)  # noqa: E731
+    if name == "mlp":
+        return mlp, [(n(4, 5), n(5)), (n(5, 3), n(3))], n(2, 4)
+    if name == "attention":
+        return attention, (n(4, 4), n(4, 4), n(4, 4), n(4, 2)), n(3, 4)
+    return rnn, (n(3, 3), n(3, 2), n(4, 2)), n(5, 4)
+
+
+@pytest.mark.parametrize("name", ["mlp", "attention", "rnn"])
+def test_check_all_on_model(name):
+    model, params, x = _model_case(name)
+    f = lambda params, x: model(params, x, _sow_lh("act"))  # noqa: E731
+
+    def oracle(eps, params, x):
+        if model is rnn:
+            return rnn_oracle(eps, params, x)
+        record = {}
+        return model(params, x, _sow_oracle(record, eps)), record
+
+    keys = list(oracle({}, params, x)[1])
+    slices = {k: (lambda k: lambda *a: oracle({}, *a)[1][k])(k) for k in keys}
+    report = T.check_all(f, params, x, tag="act", slices=slices,
+                         perturb=lambda eps, *a: oracle(eps, *a)[0])
+    ran = set(report.passed())
+    assert {1, 2, 4, 5, 6, 7, 8, 9} <= ran, str(report)
+    assert (3 in ran) == HAS_TRANSFORMS, str(report)
+
+
+def test_check_all_skips_what_does_not_apply():
+    def f(n):  # integer input: no differentiation laws
+        return lh.sow(n * 2, tag="t", name="d") + 1
+    report = T.check_all(f, jnp.arange(3), tag="t")
+    skipped = report.skipped()
+    assert {1, 2, 5, 7} <= set(skipped), str(report)
+    assert {4, 6, 8, 9} <= set(report.passed()), str(report)
+    assert "law 7" in str(report)
+
+
+# --- every checker fails on a broken harvest -------------------------------------------
+
+def victim(x):
+    a = lh.sow(jnp.sin(x) * x, tag="t", name="a")
+    b = lh.nest(lambda v: lh.sow(jnp.tanh(v) + 1., tag="t", name="b"), scope="s")(a)
+    return jnp.sum(a * b)
+
+
+X = jnp.array([0.3, -1.2, 0.8])
+
+
+def _victim():
+    # A fresh function object per test: no trace cached under a patched rule.
+    return lambda x: victim(x)
+
+
+def _slices():
+    a = lambda x: jnp.sin(x) * x  # noqa: E731
+    return {"a": a, ("s", "b"): lambda x: jnp.tanh(a(x)) + 1.}
+
+
+def _perturb(eps, x):
+    a = jnp.sin(x) * x + eps.get(("a",), 0.)
+    b = jnp.tanh(a) + 1. + eps.get(("s", "b"), 0.)
+    return jnp.sum(a * b)
+
+
+@pytest.fixture
+def tangents_doubled(monkeypatch):
+    """sow's JVP rule reaps twice the tangent (the program's output is right)."""
+    def broken(primals, tangents, *, path, **params):
+        outs = sow_p.bind(*primals, path=path + (PRIMAL,), **params)
+        ts = [jax.interpreters.ad.instantiate_zeros(t) for t in tangents]
+        reaped = sow_p.bind(*[2 * t for t in ts], path=path + (JVP,), **params)
+        return outs, [r / 2 for r in reaped]
+    monkeypatch.setitem(jax.interpreters.ad.primitive_jvps, sow_p, broken)
+
+
+@pytest.fixture
+def cotangents_doubled(monkeypatch):
+    """sow's transpose reaps twice the cotangent (the gradient is right)."""
+    def broken(cts, *args, path, **params):
+        cts = [jax.interpreters.ad.instantiate_zeros(c) for c in cts]
+        path = (path[:-1] if path and path[-1] == JVP else path) + (VJP,)
+        reaped = sow_p.bind(*[2 * c for c in cts], path=path, **params)
+        return [r / 2 for r in reaped]
+    monkeypatch.setitem(jax.interpreters.ad.primitive_transposes, sow_p, broken)
+
+
+def test_checkers_pass_on_the_victim():
+    f = _victim()
+    T.check_linearize(f, X, tag="t")
+    T.check_jvp(f, X, tag="t")
+    T.check_jit(f, X, tag="t")
+    T.check_vjp(f, X, tag="t")
+    T.check_roundtrip(f, X, tag="t")
+    T.check_lazy(f, X, tag="t", slices=_slices(), perturb=_perturb)
+    T.check_compute(f, X, tag="t")
+    T.check_nest(f, X, tag="t")
+
+
+def test_law1_checker_catches_wrong_tangents(tangents_doubled):
+    with pytest.raises(AssertionError, match=r"law 1 .*key 'a'.*max abs error"):
+        T.check_linearize(_victim(), X, tag="t")
+
+
+def test_law2_checker_catches_wrong_tangents(tangents_doubled):
+    with pytest.raises(AssertionError, match=r"law 2 .*key \('jvp', 'a'\).*max abs error"):
+        T.check_jvp(_victim(), X, tag="t")
+
+
+def test_law3_checker_catches_ignored_out_axes(monkeypatch):
+    # plain jax.vmap as "lh.vmap": the output follows out_axes, the sites do not.
+    monkeypatch.setattr(lh, "vmap", jax.vmap, raising=False)
+    xb = jnp.stack([X, X * 2.])
+    T.check_vmap(_victim(), xb, tag="t", in_axes=0, out_axes=0)
+    with pytest.raises(AssertionError, match=r"law 3 .*key 'a'.*shapes differ"):
+        T.check_vmap(_victim(), xb, tag="t", in_axes=0, out_axes=-1)
+
+
+def test_law4_checker_catches_a_jit_that_loses_sites():
+    hiding_jit = lambda g: jax.jit(lambda *a: lh.plant(g, tag="t")({}, *a))  # noqa: E731
+    with pytest.raises(AssertionError, match=r"law 4 .*keys differ"):
+        T.check_jit(_victim(), X, tag="t", jit=hiding_jit)
+
+
+def test_law5_checker_catches_wrong_cotangents(cotangents_doubled):
+    with pytest.raises(AssertionError, match=r"law 5 .*\(b\).*key 'a'.*max abs error"):
+        T.check_vjp(_victim(), X, tag="t")
+
+
+def test_law6_checker_catches_a_plant_that_shifts_values(monkeypatch):
+    plant = lh.plant
+
+    def shifted(f, **kw):
+        return lambda plants, *a: plant(f, **kw)(
+            {k: v + 1. for k, v in plants.items()}, *a)
+    monkeypatch.setattr(lh, "plant", shifted)
+    with pytest.raises(AssertionError, match=r"law 6 .*\(output\).*max abs error"):
+        T.check_roundtrip(_victim(), X, tag="t")
+
+
+def test_law7_checker_catches_wrong_lazy_leaves(monkeypatch):
+    getitem = lh.DelayedDict.__getitem__
+
+    def shifted(self, key):
+        v = getitem(self, key)
+        return v if isinstance(v, lh.DelayedDict) else v + 1e-2
+    monkeypatch.setattr(lh.DelayedDict, "__getitem__", shifted)
+    with pytest.raises(AssertionError, match=r"law 7 .*plain keys.*key 'a'.*max abs error"):
+        T.check_lazy(_victim(), X, tag="t", slices=_slices())
+
+
+def test_law7_checker_catches_wrong_tangents(tangents_doubled):
+    with pytest.raises(AssertionError, match=r"law 7 .*jvp keys.*max abs error"):
+        T.check_lazy(_victim(), X, tag="t", slices=_slices())
+
+
+def test_law7_checker_catches_wrong_cotangents(cotangents_doubled):
+    with pytest.raises(AssertionError, match=r"law 7 .*vjp keys.*max abs error"):
+        T.check_lazy(_victim(), X, tag="t", slices=_slices(), perturb=_perturb,
+                     forward=False)
+
+
+def test_law7_checker_catches_a_wrong_recorded_transform(monkeypatch):
+    # a "grad" that records nothing: its derivative keys are missing
+    stack = T.Stack((T.Transform("grad"),))
+    monkeypatch.setattr(lh, "grad", lambda f: jax.grad(f), raising=False)
+    with pytest.raises(AssertionError, match=r"law 7 .*recorded transforms grad.*key"):
+        T.check_lazy(_victim(), X, tag="t", slices=_slices(), stack=stack)
+
+
+def test_law8_checker_catches_a_wrong_compute(monkeypatch):
+    compute = lh.DelayedDict.compute
+
+    def scaled(self, *keys):
+        return jax.tree_util.tree_map(lambda v: v * 1.01, compute(self, *keys))
+    monkeypatch.setattr(lh.DelayedDict, "compute", scaled)
+    with pytest.raises(AssertionError, match=r"law 8 .*key .*max abs error"):
+        T.check_compute(_victim(), X, tag="t")
+
+
+def test_law9_checker_catches_a_nest_that_drops_the_scope(monkeypatch):
+    monkeypatch.setattr(lh, "nest", lambda f, *, scope: f)
+    with pytest.raises(AssertionError, match=r"law 9 .*keys differ"):
+        T.check_nest(_victim(), X, tag="t")
+
+
+def test_check_all_reports_every_failing_law(tangents_doubled):
+    with pytest.raises(AssertionError) as info:
+        T.check_all(_victim(), X, tag="t", slices=_slices())
+    text = str(info.value)
+    assert "law 1 " in text and "law 2 " in text and "law 7 " in text
+
+
+# --- where SPEC's statement is narrowed (docs/laws.md) ---------------------------------
+
+def test_narrowed_constant_sites_have_no_derivative_keys():
+    def f(x):
+        k = lh.sow(jnp.array([1., 2.]), tag="t", name="k")
+        return jnp.sum(k * x)
+    T.check_jvp(f, 1., tag="t")
+    T.check_linearize(f, 1., tag="t")
+    T.check_vjp(f, 1., tag="t")
+    with pytest.raises(AssertionError, match=r"law 2 .*missing on the left: \[\('jvp', 'k'\)\]"):
+        T.check_jvp(f, 1., tag="t", strict_keys=True)
+    with pytest.raises(AssertionError, match=r"law 5 .*missing on the left: \['k'\]"):
+        T.check_vjp(f, 1., tag="t", strict_keys=True)
+
+
+def test_narrowed_dead_sites_leave_linear_and_backward_functions():
+    def f(x):
+        lh.sow(x * 2., tag="t", name="dead")
+        return lh.sow(jnp.sin(x), tag="t", name="live") * 3.
+    T.check_linearize(f, 1., tag="t")
+    T.check_vjp(f, 1., tag="t")
+    with pytest.raises(AssertionError, match=r"law 1 .*missing on the left: \['dead'\]"):
+        T.check_linearize(f, 1., tag="t", strict_keys=True)
+    # inside the harvest the dead site is there, with a zero cotangent
+    d = lh.reap(jax.grad(f), tag="t")(1.)
+    assert float(d["vjp", "dead"]) == 0.
+
+
+def test_narrowed_plant_gradient_is_partial_for_repeated_sites():
+    # law 5(b) for an append site whose occurrences feed each other
+    def f(x):
+        def body(c, xi):
+            c = lh.sow(jnp.sin(c) + xi, tag="t", name="h", mode="append")
+            return c, None
+        return lax.scan(body, 0.5, x)[0]
+    T.check_vjp(f, X, tag="t")  # default keys: sites sown once
+    with pytest.raises(AssertionError, match=r"law 5 .*\(b\).*key 'h'"):
+        T.check_vjp(f, X, tag="t", keys=["h"])
+    # the cotangent itself is right: the gradient w.r.t. a perturbation
+    def perturb(eps, x):
+        def body(c, inp):
+            xi, e = inp
+            c = jnp.sin(c) + xi + e
+            return c, None
+        return lax.scan(body, 0.5, (x, eps[("h",)]))[0]
+    def slice_h(x):
+        return lax.scan(lambda c, xi: (jnp.sin(c) + xi,) * 2, 0.5, x)[1]
+    T.check_lazy(f, X, tag="t", slices={"h": slice_h}, perturb=perturb)
+
+
+def test_narrowed_roundtrip_of_clobber_site_in_a_loop():
+    def f(x):
+        def body(c, xi):
+            t = lh.sow(jnp.sin(c) * xi, tag="t", name="t", mode="clobber")
+            return c + t, None
+        return lax.scan(body, 1., x)[0]
+    T.check_roundtrip(f, X, tag="t")  # default keys leave it out
+    with pytest.raises(AssertionError, match=r"law 6 .*\(output\)"):
+        T.check_roundtrip(f, X, tag="t", keys=["t"])
+
+
+def test_narrowed_linearize_of_while_loop_has_jvp_keys():
+    # JAX cannot split a while loop: the linear function runs it whole, so its
+    # sites are reaped as under jax.jvp (docs/semantics.md section 2).
+    def w(x):
+        return lax.while_loop(
+            lambda s: s[0] < 2,
+            lambda s: (s[0] + 1, lh.sow(jnp.sin(s[1]), tag="t", name="w", mode="clobber")),
+            (0, x))[1]
+    T.check_linearize(w, 0.5, tag="t")
+    with pytest.raises(AssertionError, match=r"law 1 .*only on the left: \[\('jvp', 'w'\)\]"):
+        T.check_linearize(w, 0.5, tag="t", strict_keys=True)
+    d = lh.reap(jax.linearize(w, 0.5)[1], tag="t")(1.)
+    np.testing.assert_allclose(d["w"], jnp.sin(jnp.sin(0.5)), rtol=1e-6)
+    np.testing.assert_allclose(d["jvp", "w"], jax.jvp(w, (0.5,), (1.,))[1], rtol=1e-6)
+
+
+def test_narrowed_plain_jax_vmap_is_not_a_law():
+    def f(x):
+        return lax.scan(lambda c, xi: (c + xi, lh.sow(c * xi, tag="t", name="p",
+                                                      mode="append")), 0., x)[0]
+    xb = jnp.ones((2, 3))
+    with pytest.raises(AssertionError, match=r"law 3 .*key 'p'.*shapes differ"):
+        T.check_vmap(f, xb, tag="t", vmap=jax.vmap)
+    with pytest.raises(AssertionError, match=r"law 3 .*shapes differ"):
+        T.check_vmap(_victim(), jnp.stack([X, X]), tag="t", out_axes=-1, vmap=jax.vmap)
+
+
+# --- docs/laws.md ---------------------------------------------------------------------
+
+def test_docs_examples():
+    """Every ```python block of docs/laws.md runs, in order, in one namespace."""
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "laws.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+    assert len(blocks) >= 12
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/laws.md", "exec"), namespace)  # noqa: S102
+
+
+# --- the module without pytest or hypothesis ------------------------------------------
+
+def test_module_imports_without_pytest_and_hypothesis():
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["pytest"] = None
+        sys.modules["hypothesis"] = None
+        sys.modules["hypothesis.strategies"] = None
+        import jax.numpy as jnp
+        import lazyharvest as lh
+        from lazyharvest.testing import check_all, programs
+        f = lambda x: jnp.sum(lh.sow(jnp.sin(x), tag="t", name="s") ** 2)
+        print(check_all(f, jnp.arange(3.), tag="t", laws=(4, 6, 8, 9)))
+        try:
+            programs()
+        except ImportError as e:
+            print("ImportError:", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "law 4 (reap∘jit = reap): passed" in out.stdout
+    assert "ImportError: lazyharvest.testing: the random-program strategies need " \
+           "hypothesis" in out.stdout
+
+
+# --- KNOWN BUGS: each flips to XPASS (and fails, strict) when fixed ---------------------
+
+XS = jnp.array([0.3, -0.2, 0.5])
+
+
+def _dead_cond_site(u):
+    return lax.cond(jnp.sum(u) > 0, lambda u: lh.sow(u + 0.3, tag="t", name="s"),
+                    lambda u: lh.sow(u * u, tag="t", name="s"), u)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a site in lax.cond inside jax.checkpoint that the output does not use "
+    "gets no ('vjp', name) key under jax.grad (SPEC 3.2: it gets zeros); "
+    "without the checkpoint, or under jax.jit, it does"))
+def test_bug_dead_cond_site_in_checkpoint_has_no_cotangent():
+    def f(x):
+        jax.checkpoint(_dead_cond_site)(x * 2)
+        return jnp.sum(x ** 2)
+    d = lh.reap(jax.grad(f), tag="t")(XS)
+    assert ("vjp", "s") in d
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
+    "the same dead cond site, fed by the stacked output of a scan with an "
+    "append site: reaping jax.grad crashes with 'Expected cotangent type "
+    "float32[] but got float32[3]'"))
+def test_bug_dead_cond_site_in_checkpoint_after_scan_crashes():
+    def f(x):
+        ys = lax.scan(lambda c, xi: (c, lh.sow(jnp.sum(c * xi), tag="t", name="o",
+                                              mode="append")), x, x)[1]
+        jax.checkpoint(_dead_cond_site)(ys)
+        return jnp.sum(x ** 2)
+    lh.reap(jax.grad(f), tag="t")(XS)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "an append site in a scan whose value the scan does not change is hoisted "
+    "out of the loop by JAX's partial evaluation under jax.grad: it is reaped "
+    "with 1 row instead of one per iteration (jax.jvp and no transform: 3 rows)"))
+def test_bug_invariant_append_site_under_grad():
+    def f(x):
+        def body(c, xi):
+            return c + lh.sow(jnp.sin(x), tag="t", name="k", mode="append"), None
+        return jnp.sum(lax.scan(body, jnp.zeros(3), XS)[0])
+    assert lh.reap(f, tag="t")(XS)["k"].shape == (3, 3)
+    assert lh.reap(jax.grad(f), tag="t")(XS)["k"].shape == (3, 3)
+
+
+# --- regressions: bugs these laws found, since fixed -----------------------------------
+
+def test_regression_clobber_in_scan_plant_into_backward():
+    # A cotangent planted into the backward function at a clobber site in a
+    # scan was added in every iteration, not only at the reaped (highest-index)
+    # occurrence: law 5(a) failed.
+    def f(x):
+        def body(c, xi):
+            return lh.sow(c * xi, tag="t", name="c", mode="clobber"), None
+        return lax.scan(body, 1., x)[0]
+    T.check_vjp(f, jnp.array([2., 3., 4.]), tag="t")
+
+
+@needs_transforms
+def test_regression_jit_around_transform_around_jit():
+    # lh.jit(T(lh.jit(f))) dropped the recorded transform T in between (no
+    # ("grad", ...) keys; the out_axes of an lh.vmap there ignored).
+    f = lambda x: jnp.sum(lh.sow(x ** 3, tag="t", name="x3"))  # noqa: E731
+    for middle in (T.Transform("grad"), T.Transform("vmap", 0, -1)):
+        stack = T.Stack((T.Transform("jit"), middle, T.Transform("jit")))
+        x = jnp.array([1., 2.]) if middle.kind == "grad" else jnp.ones((2, 3))
+        T.check_lazy(f, x, tag="t", slices={"x3": lambda x: x ** 3}, stack=stack)
