@@ -116,8 +116,12 @@ class Run:
 
     def __init__(self, harvest: Harvest, want: Callable[[RawKey], bool],
                  plants: dict[RawKey, Plant] | None = None,
-                 cursor: dict[RawKey, int] | None = None, foreign: bool = True):
+                 cursor: dict[RawKey, int] | None = None, foreign: bool = True,
+                 abstract: bool = False):
         self.harvest = harvest
+        # An abstract run only learns the sites' avals: derivative leaves of
+        # recorded transforms get placeholders of the right aval, not traces.
+        self.abstract = abstract
         self.want = want
         self.plants = plants or {}
         self.cursor = dict(cursor or {})
@@ -130,7 +134,7 @@ class Run:
     def spawn(self, plants: dict[RawKey, Plant], cursor: dict | None = None,
               want: Callable[[RawKey], bool] | None = None) -> "Run":
         return Run(self.harvest, self.want if want is None else want, plants,
-                   cursor, self.foreign)
+                   cursor, self.foreign, self.abstract)
 
     # -- recording --------------------------------------------------------
 
@@ -868,8 +872,12 @@ def _recorded(run: Run, eqn: _jax.JaxprEqn, invals: list) -> list:
         if not group:
             continue
         idx = [request.index(wanted[ok][0]) for ok in group]
-        values = t.site_value(lambda *f: tuple(leaf_fn(*f)[i] for i in idx),
-                              invals, chosen, extra, extra_axes)
+        if chosen and run.abstract and not t.structural:
+            primal = t.site_value(leaf_fn, invals, False, extra, extra_axes)
+            values = [t.site_placeholder(primal[i], invals) for i in idx]
+        else:
+            values = t.site_value(lambda *f: tuple(leaf_fn(*f)[i] for i in idx),
+                                  invals, chosen, extra, extra_axes)
         for ok, value in zip(group, values):
             leaves, tree = jax.tree_util.tree_flatten(value)
             run.record(ok, modes[wanted[ok][0]], tree, leaves)

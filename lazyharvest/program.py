@@ -124,7 +124,7 @@ def trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -> Trace
         closed, out_tree = _jax.trace_pytree(
             lambda args, kwargs: f(*args, **kwargs), in_tree, in_avals,
             name=getattr(f, "__name__", "harvested"))
-    run = Run(harvest, lambda k: True)
+    run = Run(harvest, lambda k: True, abstract=True)
     found: list = []
 
     def analyse(*args):

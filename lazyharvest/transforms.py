@@ -104,6 +104,31 @@ class Transform:
         out_axes = self.kwargs.get("out_axes", 0)
         return out_axes if isinstance(out_axes, int) or out_axes is None else 0
 
+    def _wrt(self, args: tuple) -> Any:
+        argnums = self.kwargs.get("argnums", 0)
+        if self.name in ("vjp", "linearize"):
+            argnums = tuple(range(len(args))) if len(args) > 1 else 0
+        return args[argnums] if isinstance(argnums, int) else tuple(args[i] for i in argnums)
+
+    def site_placeholder(self, primal: Any, flat: Sequence[Any]) -> Any:
+        """Zeros with the avals `site_value(..., chosen=True)` has, from the
+        primal value alone: abstract traces need the avals, not the work."""
+        import jax.numpy as jnp
+
+        if self.name == "jvp":
+            return jax.tree_util.tree_map(jnp.zeros_like, primal)
+        wrt = self.tree_leaves_avals(self.split(flat)[1])
+        jac = lambda o, *ins: jax.tree_util.tree_map(
+            lambda a: jnp.zeros((*o.shape, *ins, *a.shape), o.dtype), wrt)
+        if self.name == "hessian":
+            return jax.tree_util.tree_map(
+                lambda o: jax.tree_util.tree_map(
+                    lambda a: jac(o, *a.shape), wrt), primal)
+        return jax.tree_util.tree_map(lambda o: jac(o), primal)
+
+    def tree_leaves_avals(self, args: tuple) -> Any:
+        return jax.tree_util.tree_map(jax.typeof, self._wrt(args))
+
     def site_value(self, leaf_fn: Callable, flat: Sequence[Any], chosen: bool,
                    extra: Sequence[Any] = (), extra_axes: Sequence[Any] = ()) -> Any:
         """The value of a site's leaf function (flat inputs -> pytree) here.

@@ -272,3 +272,26 @@ def test_jit_around_transform_around_jit_keeps_every_level():
     d = lh.reap(lh.jit(lh.vmap(lh.jit(lambda v: sow(v * 2, tag="t", name="s")),
                               out_axes=1)), tag="t")(jnp.ones((3, 2)))
     assert d["s"].shape == (2, 3)
+
+
+@pytest.mark.parametrize("transform", [
+    lambda g: lh.grad(g, argnums=(0, 1)),
+    lambda g: lh.jacrev(lh.jacrev(g)),
+    lambda g: lh.hessian(g, argnums=1),
+    lambda g: lh.jacfwd(g, argnums=1),
+    lambda g: lh.vmap(lh.grad(g), in_axes=(0, None)),
+    lambda g: (lambda x, w: lh.jvp(g, (x, w), (x, w))),
+])
+def test_avals_without_computation_match_computed_leaves(transform):
+    # keys()/avals come from an abstract trace that never differentiates:
+    # derivative leaves get their avals from the primal's
+    def g(x, w):
+        h = sow(jnp.tanh(x * w["a"]), tag="t", name="h")
+        return jnp.sum(h ** 2) * w["b"]
+    x = jnp.array([0.1, 0.2, 0.3])
+    w = {"a": jnp.ones(3), "b": jnp.array(2.)}
+    d = lh.reap(transform(g), tag="t")(x, w)
+    avals = d.avals
+    for k in d.keys():
+        shape = lambda t: jax.tree_util.tree_map(lambda v: (v.shape, v.dtype), t)
+        assert shape(d[k]) == shape(avals[k]), k
