@@ -189,17 +189,18 @@ def resolve_plants(traced: Traced, plants: Any) -> tuple[Traced, list]:
     h = traced.harvest
     found: dict = {}
 
+    # A name only filtered-out sites sow is ignored (SPEC: filtered sites are
+    # still sites); any other unknown key is an error, typos included.
+    filtered = traced.names - {name for _, _, name in traced.sites}
+
     def walk(prefix: tuple, value: Any) -> None:
         if prefix in traced.raw_of:
             found[prefix] = value
-        elif prefix and prefix[-1] in traced.names and prefix not in traced.raw_of \
-                and not isinstance(value, Mapping):
-            return  # a site the allowlist/blocklist filters out: ignored
+        elif prefix and prefix[-1] in filtered:
+            return
         elif isinstance(value, Mapping):
             for k, v in value.items():
                 walk(prefix + keys_mod.normalize(k), v)
-        elif prefix and prefix[-1] in traced.names:
-            return
         else:
             shown = [keys_mod.display(k) for k in traced.raw_of]
             raise HarvestError(

@@ -145,3 +145,11 @@ def test_errors_do_not_corrupt_caches():
 def test_plants_must_be_a_mapping():
     raises(["'t'", "mapping"], lambda: lh.plant(lambda x: sow(x, tag="t", name="a"),
                                                 tag="t")([1.], 1.))
+
+
+def test_plant_with_wrong_scope_is_an_error():
+    def f(x):
+        return lh.nest(lambda v: sow(v, tag="t", name="s"), scope="a")(x)
+    raises(["'t'", "('zz', 's')", "('a', 's')"],
+           lambda: lh.plant(f, tag="t")({("zz", "s"): 1.}, 1.))
+    assert lh.plant(f, tag="t")({"a": {"s": 3.}}, 1.) == 3.
