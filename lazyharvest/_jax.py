@@ -40,6 +40,17 @@ Zero = ad.Zero
 UNSPECIFIED = _sharding_impls.UNSPECIFIED
 
 
+def closed_call(fn: Callable, *args: Any) -> list:
+    """Calls `fn` through JAX's `closed_call` primitive (tests use it)."""
+    from jax.extend.core import primitives as _prims
+
+    flat = list(args)
+    jaxpr, consts = trace_flat(lambda *a: list(fn(*a)), [jax.typeof(x) for x in flat])
+    params = _prims.closed_call_p.get_bind_params(
+        {"call_jaxpr": ClosedJaxpr(jaxpr, consts)})
+    return _prims.closed_call_p.bind(*flat, **params)
+
+
 def register_effect(effect_type: type) -> None:
     """Allow an unordered effect everywhere a site may appear."""
     mlir.lowerable_effects.add_type(effect_type)

@@ -175,8 +175,17 @@ def test_checkpoint_reap_plant():
 
 
 def test_closed_call():
-    from jax.extend.core import primitives
-    del primitives  # closed_call appears via jax.named_call-free paths; use core_call
+    from lazyharvest._jax import closed_call
+
+    def g(x):
+        return closed_call(lambda v: [sow(v * 4, tag="t", name="n") + 1], x)[0]
+    assert "closed_call" in str(jax.make_jaxpr(g)(1.5))
+    close(lh.reap(g, tag="t")(1.5)["n"], 6.)
+    close(lh.plant(g, tag="t")({"n": 2.}, 1.5), 3.)
+    close(lh.reap(jax.grad(g), tag="t")(1.5)["vjp", "n"], 1.)
+
+
+def test_named_call():
     def g(x):
         return jax.named_call(lambda v: sow(v * 4, tag="t", name="n"), name="blk")(x)
     close(lh.reap(g, tag="t")(1.5)["n"], 6.)

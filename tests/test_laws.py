@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import lazyharvest as lh
+from lazyharvest._jax import ad as _ad  # the one module that touches JAX internals
 from lazyharvest import testing as T
 from lazyharvest.primitive import JVP, PRIMAL, VJP, sow_p
 
@@ -371,21 +372,21 @@ def tangents_doubled(monkeypatch):
     """sow's JVP rule reaps twice the tangent (the program's output is right)."""
     def broken(primals, tangents, *, path, **params):
         outs = sow_p.bind(*primals, path=path + (PRIMAL,), **params)
-        ts = [jax.interpreters.ad.instantiate_zeros(t) for t in tangents]
+        ts = [_ad.instantiate_zeros(t) for t in tangents]
         reaped = sow_p.bind(*[2 * t for t in ts], path=path + (JVP,), **params)
         return outs, [r / 2 for r in reaped]
-    monkeypatch.setitem(jax.interpreters.ad.primitive_jvps, sow_p, broken)
+    monkeypatch.setitem(_ad.primitive_jvps, sow_p, broken)
 
 
 @pytest.fixture
 def cotangents_doubled(monkeypatch):
     """sow's transpose reaps twice the cotangent (the gradient is right)."""
     def broken(cts, *args, path, **params):
-        cts = [jax.interpreters.ad.instantiate_zeros(c) for c in cts]
+        cts = [_ad.instantiate_zeros(c) for c in cts]
         path = (path[:-1] if path and path[-1] == JVP else path) + (VJP,)
         reaped = sow_p.bind(*[2 * c for c in cts], path=path, **params)
         return [r / 2 for r in reaped]
-    monkeypatch.setitem(jax.interpreters.ad.primitive_transposes, sow_p, broken)
+    monkeypatch.setitem(_ad.primitive_transposes, sow_p, broken)
 
 
 def test_checkers_pass_on_the_victim():
