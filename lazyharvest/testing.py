@@ -462,9 +462,7 @@ def check_vmap(f: Callable, *args: Any, tag: Hashable, in_axes: Any = 0,
     through) with the batched value; so must the function's output.
     """
     law = _law(3)
-    vmap = vmap if vmap is not None else getattr(lh, "vmap", None)
-    if vmap is None:
-        raise NotImplementedError(f"{law}: needs lh.vmap (recorded transforms)")
+    vmap = lh.vmap if vmap is None else vmap
     site_axes = out_axes if isinstance(out_axes, int) else 0
     batched = vmap(f, in_axes=in_axes, out_axes=out_axes)
     want = _guard(law, lambda: jax.vmap(lambda *a: _reaped(f, tag, a), in_axes=in_axes,
@@ -889,12 +887,7 @@ class Transform:
     out_axes: Any = 0
 
     def apply(self, f: Callable, lib: Any = None) -> Callable:
-        lib = lh if lib is None else lib
-        fn = getattr(lib, self.kind, None)
-        if fn is None:
-            raise NotImplementedError(
-                f"{getattr(lib, '__name__', lib)}.{self.kind} does not exist "
-                f"(needs recorded transforms)")
+        fn = getattr(lh if lib is None else lib, self.kind)
         if self.kind == "vmap":
             return fn(f, in_axes=self.in_axes, out_axes=self.out_axes)
         return fn(f)
