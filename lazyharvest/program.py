@@ -168,9 +168,13 @@ def cached_trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -
 def flatten_args(args: tuple, kwargs: dict) -> tuple[list, Any, tuple]:
     """Leaves, tree and avals of a call's arguments (checked to be arrays)."""
     leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+    try:  # arrays and tracers carry their aval: much cheaper than typeof
+        return leaves, in_tree, tuple([x.aval for x in leaves])
+    except AttributeError:
+        pass
     avals = []
     for x in leaves:
-        aval = getattr(x, "aval", None)  # arrays and tracers: cheaper than typeof
+        aval = getattr(x, "aval", None)
         if aval is None:
             if not isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
                 raise HarvestError(
