@@ -592,7 +592,7 @@ def _while(run: Run, eqn: _jax.JaxprEqn, invals: list) -> list:
     # Sites in the loop condition are not reaped: the condition returns only a
     # predicate. They are consumed (identity) like filtered sites.
     cj = p["cond_jaxpr"]
-    cond_body, _ = trace_body(run.child(plants=run.plants), cj.jaxpr, cj.consts,
+    cond_body, _ = trace_body(run.child(), cj.jaxpr, cj.consts,
                               _invar_avals(cj.jaxpr))
     site_avals = [a for s in body.sites for a in s.avals]
     nb, ncc = len(body.consts), len(cond_body.consts)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import attrs
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from lazyharvest import _jax
@@ -104,20 +105,22 @@ class Transform:
         out_axes = self.kwargs.get("out_axes", 0)
         return out_axes if isinstance(out_axes, int) or out_axes is None else 0
 
+    def _argnums(self, n_args: int) -> Any:
+        if self.name in ("vjp", "linearize"):  # w.r.t. every primal
+            return tuple(range(n_args)) if n_args > 1 else 0
+        return self.kwargs.get("argnums", 0)
+
     def _wrt(self, args: tuple) -> Any:
-        argnums = self.kwargs.get("argnums", 0)
-        if self.name in ("vjp", "linearize"):
-            argnums = tuple(range(len(args))) if len(args) > 1 else 0
+        """The arguments a chosen differential label differentiates."""
+        argnums = self._argnums(len(args))
         return args[argnums] if isinstance(argnums, int) else tuple(args[i] for i in argnums)
 
     def site_placeholder(self, primal: Any, flat: Sequence[Any]) -> Any:
         """Zeros with the avals `site_value(..., chosen=True)` has, from the
         primal value alone: abstract traces need the avals, not the work."""
-        import jax.numpy as jnp
-
         if self.name == "jvp":
             return jax.tree_util.tree_map(jnp.zeros_like, primal)
-        wrt = self.tree_leaves_avals(self.split(flat)[1])
+        wrt = self._wrt(self.split(flat)[1])
         jac = lambda o, *ins: jax.tree_util.tree_map(
             lambda a: jnp.zeros((*o.shape, *ins, *a.shape), o.dtype), wrt)
         if self.name == "hessian":
@@ -125,9 +128,6 @@ class Transform:
                 lambda o: jax.tree_util.tree_map(
                     lambda a: jac(o, *a.shape), wrt), primal)
         return jax.tree_util.tree_map(lambda o: jac(o), primal)
-
-    def tree_leaves_avals(self, args: tuple) -> Any:
-        return jax.tree_util.tree_map(jax.typeof, self._wrt(args))
 
     def site_value(self, leaf_fn: Callable, flat: Sequence[Any], chosen: bool,
                    extra: Sequence[Any] = (), extra_axes: Sequence[Any] = ()) -> Any:
@@ -145,9 +145,7 @@ class Transform:
             return fn(*args, **kwargs)
         if self.name == "jvp":
             return jax.jvp(lambda *a: fn(*a), args, self.tangents(flat))[1]
-        argnums = k.get("argnums", 0)
-        if self.name in ("vjp", "linearize"):  # w.r.t. every primal
-            argnums = tuple(range(len(args))) if len(args) > 1 else 0
+        argnums = self._argnums(len(args))
         jac_kw = {n: k[n] for n in ("holomorphic",) if n in k}
         if self.name == "hessian":
             return jax.hessian(fn, argnums, **jac_kw)(*args, **kwargs)
@@ -155,9 +153,7 @@ class Transform:
             return jax.jacfwd(fn, argnums, **jac_kw)(*args, **kwargs)
         if k.get("allow_int"):
             jac_kw["allow_int"] = True
-        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-        in_size = sum(int(np.size(x)) for i in nums
-                      for x in jax.tree_util.tree_leaves(args[i]))
+        in_size = sum(int(np.size(x)) for x in jax.tree_util.tree_leaves(self._wrt(args)))
         out_size = sum(int(np.prod(s.shape)) for s in jax.tree_util.tree_leaves(
             jax.eval_shape(fn, *args, **kwargs)))
         if in_size < out_size and self.name != "jacrev" and not k.get("allow_int"):
@@ -167,7 +163,6 @@ class Transform:
 
 _JAX = {
     "jit": lambda fn, **k: jax.jit(fn),
-    "vmap": jax.vmap,
     "grad": jax.grad,
     "value_and_grad": jax.value_and_grad,
     "jacfwd": jax.jacfwd,
