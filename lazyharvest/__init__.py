@@ -4,17 +4,22 @@
 transformation path whose leaves are computed only when read.
 """
 
+import os as _os
+
+from lazyharvest import _jax
+from lazyharvest._version import __version__
 from lazyharvest.api import call_and_reap, harvest, nest, plant, reap
-from lazyharvest.delayed import DelayedDict
+from lazyharvest.delayed import DelayedDict, HarvestKeyError
 from lazyharvest.errors import HarvestError
 from lazyharvest.primitive import sow
 from lazyharvest.transforms import (
     grad, hessian, jacfwd, jacrev, jit, jvp, linearize, value_and_grad, vjp, vmap)
 
-__version__ = "0.1.0"
+# Users' tracebacks skip the library's frames, as they skip JAX's.
+_jax.hide_frames_below(_os.path.dirname(__file__))
 
 __all__ = [
-    "DelayedDict", "HarvestError", "call_and_reap", "grad", "harvest", "hessian",
+    "DelayedDict", "HarvestError", "HarvestKeyError", "__version__", "call_and_reap", "grad", "harvest", "hessian",
     "jacfwd", "jacrev", "jit", "jvp", "linearize", "nest", "plant", "reap", "sow",
     "value_and_grad", "vjp", "vmap",
 ]

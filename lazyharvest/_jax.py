@@ -14,6 +14,8 @@ from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import effects as _effects
 from jax._src import sharding_impls as _sharding_impls
+from jax._src import source_info_util as _source_info_util
+from jax._src import traceback_util as _traceback_util
 from jax._src.interpreters import partial_eval as _pe
 from jax.api_util import debug_info as _debug_info
 from jax.api_util import flatten_fun_nokwargs as _flatten_fun_nokwargs
@@ -34,10 +36,51 @@ from jax.interpreters import partial_eval as pe
 __all__ = [
     "ClosedJaxpr", "Effect", "Jaxpr", "JaxprEqn", "Literal", "Primitive", "Var",
     "ad", "batching", "mlir", "pe", "lu", "new_jaxpr_eqn",
+    "jit_p", "scan_p", "while_p", "cond_p", "remat_p", "closed_call_p", "call_p",
+    "custom_jvp_call_p", "custom_vjp_call_p", "shard_map_p",
 ]
 
 Zero = ad.Zero
 UNSPECIFIED = _sharding_impls.UNSPECIFIED
+
+
+# --- JAX's higher-order primitives, as objects (rule tables are keyed by them) ---
+
+def _primitives() -> dict[str, Primitive]:
+    from jax._src import shard_map as _shard_map
+    from jax.extend.core import primitives as _prims
+
+    return {
+        "jit_p": _prims.jit_p, "scan_p": _prims.scan_p, "while_p": _prims.while_p,
+        "cond_p": _prims.cond_p, "remat_p": _prims.remat_p,
+        "closed_call_p": _prims.closed_call_p, "call_p": _prims.call_p,
+        "custom_jvp_call_p": _prims.custom_jvp_call_p,
+        "custom_vjp_call_p": _prims.custom_vjp_call_p,
+        "shard_map_p": _shard_map.shard_map_p,
+    }
+
+
+_P = _primitives()
+jit_p = _P["jit_p"]
+scan_p = _P["scan_p"]
+while_p = _P["while_p"]
+cond_p = _P["cond_p"]
+remat_p = _P["remat_p"]
+closed_call_p = _P["closed_call_p"]
+call_p = _P["call_p"]
+custom_jvp_call_p = _P["custom_jvp_call_p"]
+custom_vjp_call_p = _P["custom_vjp_call_p"]
+shard_map_p = _P["shard_map_p"]
+
+
+# --- tracebacks: hide the library's frames from users, as JAX does its own ---
+
+def hide_frames_below(path: str) -> None:
+    """Frames from files under `path` are dropped from users' tracebacks."""
+    _traceback_util.register_exclusion(path)
+
+
+api_boundary = _traceback_util.api_boundary
 
 
 def closed_call(fn: Callable, *args: Any) -> list:
@@ -151,7 +194,17 @@ def bind_params(eqn: JaxprEqn, params: dict | None = None) -> dict:
 
 
 def eqn_context(eqn: JaxprEqn):
-    return eqn.ctx.manager
+    """The context to re-bind `eqn` in: its source info and name stack (so
+    `jax.named_scope` names reach the HLO) and its JAX eqn context."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    info = eqn.source_info
+    stack.enter_context(_source_info_util.user_context(
+        info.traceback, name_stack=_source_info_util.current_name_stack()
+        + info.name_stack))
+    stack.enter_context(eqn.ctx.manager)
+    return stack
 
 
 def effects_of(jaxpr: Jaxpr) -> Any:

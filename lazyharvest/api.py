@@ -7,10 +7,11 @@ from typing import Any, Callable, Hashable, Iterable
 
 import jax
 
-from lazyharvest.delayed import DelayedDict, _Store
-from lazyharvest.interpreter import Harvest
+from lazyharvest import _jax
+from lazyharvest._interpreter import Harvest
+from lazyharvest.delayed import DelayedDict
 from lazyharvest.primitive import scoped
-from lazyharvest.program import cached_trace, flatten_args, resolve_plants
+from lazyharvest.program import NO_PLANTS, cached_trace, flatten_args, resolve_plants
 
 
 def _harvest(tag: Hashable, allowlist: Iterable[str] | None,
@@ -23,17 +24,17 @@ def _run(f: Callable, h: Harvest, plants: Any, args: tuple, kwargs: dict,
          with_out: bool, with_dict: bool) -> Any:
     flat, in_tree, avals = flatten_args(args, kwargs)
     traced = cached_trace(f, h, in_tree, avals)
-    plant_leaves: list = []
+    spec, plant_leaves = NO_PLANTS, []
     if plants is not None:
-        traced, plant_leaves = resolve_plants(traced, plants)
+        spec, plant_leaves = resolve_plants(traced, plants)
     out = None
     if with_out:
-        prog = traced.program([], with_out=True)
+        prog = traced.program([], with_out=True, plants=spec)
         out = jax.tree_util.tree_unflatten(traced.out_tree,
                                            prog(*flat, *plant_leaves))
     if not with_dict:
         return out
-    d = DelayedDict(_Store(traced, flat, plant_leaves))
+    d = DelayedDict.from_trace(traced, flat, spec, plant_leaves)
     return (out, d) if with_out else d
 
 
@@ -43,6 +44,7 @@ def reap(f: Callable, *, tag: Hashable, allowlist: Iterable[str] | None = None,
     """`reap(f, tag=t)(*args)` -> the `DelayedDict` of `f`'s sites of tag `t`."""
     h = _harvest(tag, allowlist, blocklist, exclusive)
 
+    @_jax.api_boundary
     @functools.wraps(f)
     def reaped(*args: Any, **kwargs: Any) -> DelayedDict:
         return _run(f, h, None, args, kwargs, with_out=False, with_dict=True)
@@ -56,6 +58,7 @@ def call_and_reap(f: Callable, *, tag: Hashable,
     """`call_and_reap(f, tag=t)(*args)` -> `(f(*args), DelayedDict)`."""
     h = _harvest(tag, allowlist, blocklist, exclusive)
 
+    @_jax.api_boundary
     @functools.wraps(f)
     def called(*args: Any, **kwargs: Any) -> tuple[Any, DelayedDict]:
         return _run(f, h, None, args, kwargs, with_out=True, with_dict=True)
@@ -72,6 +75,7 @@ def plant(f: Callable, *, tag: Hashable, allowlist: Iterable[str] | None = None,
     """
     h = _harvest(tag, allowlist, blocklist, exclusive)
 
+    @_jax.api_boundary
     @functools.wraps(f)
     def planted(plants: Any, *args: Any, **kwargs: Any) -> Any:
         return _run(f, h, plants, args, kwargs, with_out=True, with_dict=False)
@@ -87,6 +91,7 @@ def harvest(f: Callable, *, tag: Hashable, allowlist: Iterable[str] | None = Non
     """
     h = _harvest(tag, allowlist, blocklist, exclusive)
 
+    @_jax.api_boundary
     @functools.wraps(f)
     def harvested(plants: Any, *args: Any, **kwargs: Any) -> tuple[Any, DelayedDict]:
         return _run(f, h, plants, args, kwargs, with_out=True, with_dict=True)

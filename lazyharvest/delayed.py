@@ -12,7 +12,7 @@ import numpy as np
 from lazyharvest import _jax
 from lazyharvest import keys as keys_mod
 from lazyharvest.errors import HarvestError, closest
-from lazyharvest.program import Traced, flatten_args
+from lazyharvest.program import NO_PLANTS, PlantSpec, Traced, flatten_args
 
 
 class HarvestKeyError(HarvestError, KeyError):
@@ -25,9 +25,11 @@ class HarvestKeyError(HarvestError, KeyError):
 class _Store:
     """State shared by a DelayedDict and its sub-views."""
 
-    def __init__(self, traced: Traced, args: list, plant_leaves: list):
+    def __init__(self, traced: Traced, args: list, plants: PlantSpec,
+                 plant_leaves: list):
         self.traced = traced
         self.args = args
+        self.plants = plants
         self.plant_leaves = plant_leaves
         self.traced_inputs = _jax.any_tracer(args) or _jax.any_tracer(plant_leaves)
         self.values: dict = {}
@@ -47,7 +49,7 @@ class _Store:
                     f"{names}: the DelayedDict was made inside a transformation "
                     f"(jit/vmap/grad...) whose trace has ended. Force the leaves "
                     f"inside it (e.g. return d.compute() from the traced function).")
-            prog = self.traced.program(missing, with_out=False)
+            prog = self.traced.program(missing, with_out=False, plants=self.plants)
             flat = prog(*self.args, *self.plant_leaves)
             it = iter(flat)
             for k in missing:
@@ -69,12 +71,20 @@ class DelayedDict(Mapping):
         self._store = store
         self._prefix = prefix
         n = len(prefix)
-        index = store.traced.leaves()
+        index = store.traced.key_index(store.plants)
         self._leaves = index if not n else {
             k[n:]: r for k, r in index.items() if k[:n] == prefix and k[n:]}
 
+    @classmethod
+    def from_trace(cls, traced: Traced, args: list, plants: PlantSpec = NO_PLANTS,
+                   plant_leaves: list | tuple = ()) -> "DelayedDict":
+        """The DelayedDict of one call: a trace, the call's flat arguments and,
+        when the call plants, which sites it plants and the planted leaves."""
+        return cls(_Store(traced, list(args), plants, list(plant_leaves)))
+
     # -- Mapping --------------------------------------------------------------
 
+    @_jax.api_boundary
     def __getitem__(self, key: Any) -> Any:
         k = keys_mod.normalize(key)
         raw = self._leaves.get(k)
@@ -122,7 +132,7 @@ class DelayedDict(Mapping):
                     f"{keys_mod.display(traced.key_of[raw][0])!r} takes arguments "
                     f"shaped like the original call {traced.in_avals}, got "
                     f"{avals}. Call the reaped function again for new shapes.")
-            prog = traced.program([raw], with_out=False)
+            prog = traced.program([raw], with_out=False, plants=store.plants)
             leaves = prog(*flat, *store.plant_leaves)
             return jax.tree_util.tree_unflatten(traced.sites[raw].tree, leaves)
         return continuation
@@ -151,7 +161,7 @@ class DelayedDict(Mapping):
         """
         wanted = self._expand(keys) if keys else self._shortest()
         raws = list(dict.fromkeys(self._leaves[k] for k in wanted))
-        prog = self._store.traced.program(raws, with_out=False)
+        prog = self._store.traced.program(raws, with_out=False, plants=self._store.plants)
         return prog.fn.lower(*self._store.args, *self._store.plant_leaves)
 
     @property

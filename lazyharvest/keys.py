@@ -31,9 +31,10 @@ from typing import Any, Iterable
 
 import attrs
 
-from lazyharvest.primitive import JVP, PRIMAL, VJP
-
 Key = tuple
+
+# JAX's differentiation levels, as they appear in a site's path.
+PRIMAL, JVP, VJP = "primal", "jvp", "vjp"
 
 
 @attrs.frozen

@@ -28,10 +28,11 @@ import numpy as np
 
 from lazyharvest import _jax
 from lazyharvest.errors import HarvestError
+from lazyharvest.keys import JVP, PRIMAL, VJP
+
+__all__ = ["JVP", "MODES", "PRIMAL", "VJP", "sow", "sow_p"]
 
 MODES = ("strict", "clobber", "append")
-
-PRIMAL, JVP, VJP = "primal", "jvp", "vjp"
 
 
 class SowEffect(_jax.Effect):

@@ -23,8 +23,9 @@ from lazyharvest import _jax
 from lazyharvest import keys as keys_mod
 from lazyharvest.keys import Label
 from lazyharvest.errors import HarvestError, closest
-from lazyharvest.interpreter import Harvest, Plant, RawKey, Run, sub_jaxprs
-from lazyharvest.primitive import VJP, active_tags, current_scopes, harvesting, sow_p
+from lazyharvest._interpreter import Harvest, Plant, RawKey, Run, split_list, sub_jaxprs
+from lazyharvest.keys import VJP
+from lazyharvest.primitive import active_tags, current_scopes, harvesting, sow_p
 
 PROGRAM_CACHE_SIZE = 64
 TRACE_CACHE_SIZE = 16
@@ -45,9 +46,51 @@ class Program:
         return self.fn(*flat)
 
 
-@attrs.define(eq=False)
+@attrs.frozen
+class PlantEntry:
+    """One planted site: its key, how the plant applies, the planted avals."""
+
+    key: RawKey
+    mode: str
+    additive: bool  # a cotangent site: the plant is added, not substituted
+    avals: tuple
+
+
+@attrs.frozen
+class PlantSpec:
+    """Which sites a call plants, and how: hashable, and free of values.
+
+    Programs are cached by it, so calls that plant new values at the same
+    sites with the same shapes reuse one compiled program.
+    """
+
+    entries: tuple = ()  # (PlantEntry, ...)
+
+    @property
+    def keys(self) -> frozenset:
+        return frozenset(e.key for e in self.entries)
+
+    @property
+    def avals(self) -> list:
+        return [a for e in self.entries for a in e.avals]
+
+    def plants(self, leaves: Sequence[Any]) -> dict[RawKey, Plant]:
+        """The `Plant`s of a run, given the planted leaves in order."""
+        *chunks, _ = split_list(leaves, [len(e.avals) for e in self.entries])
+        return {e.key: Plant(c, e.mode, e.additive)
+                for e, c in zip(self.entries, chunks)}
+
+
+NO_PLANTS = PlantSpec()
+
+
+@attrs.frozen(eq=False)
 class Traced:
-    """One trace of a user function under one harvest, and its programs."""
+    """One trace of a user function under one harvest, and its programs.
+
+    Immutable; its caches (programs, key indexes) are keyed by what they
+    depend on, plants included.
+    """
 
     harvest: Harvest
     jaxpr: _jax.ClosedJaxpr
@@ -57,56 +100,52 @@ class Traced:
     key_of: dict  # RawKey -> [user key], canonical first, then aliases
     raw_of: dict  # user key -> RawKey
     names: frozenset  # every name the tag sows, filtered or not
-    plant_spec: tuple = ()  # ((RawKey, mode, additive, avals), ...)
-    index: dict | None = None  # user key -> RawKey of the leaves offered, built once
     programs: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)
+    indexes: dict = attrs.field(factory=dict)  # PlantSpec -> key index
     lock: Any = attrs.field(factory=threading.RLock)
 
-    def leaves(self) -> dict:
-        """The keys a DelayedDict of this trace offers (planted sites excluded)."""
-        if self.index is None:
-            planted = {k for k, *_ in self.plant_spec}
-            self.index = {u: r for r, us in self.key_of.items() if r not in planted
-                          for u in us}
-        return self.index
+    def key_index(self, plants: PlantSpec = NO_PLANTS) -> dict:
+        """User key -> RawKey of every leaf a DelayedDict offers (aliases
+        included, planted sites excluded)."""
+        index = self.indexes.get(plants)
+        if index is None:
+            planted = plants.keys
+            index = {u: r for r, us in self.key_of.items() if r not in planted
+                     for u in us}
+            self.indexes[plants] = index
+        return index
 
-    def program(self, raw_keys: Sequence[RawKey], with_out: bool) -> Program:
-        cache_key = (tuple(raw_keys), with_out)
+    def program(self, raw_keys: Sequence[RawKey], with_out: bool,
+                plants: PlantSpec = NO_PLANTS) -> Program:
+        cache_key = (tuple(raw_keys), with_out, plants)
         with self.lock:
             prog = self.programs.get(cache_key)
             if prog is not None:
                 self.programs.move_to_end(cache_key)
                 return prog
-        prog = self._build(list(raw_keys), with_out)
+        prog = self._build(list(raw_keys), with_out, plants)
         with self.lock:
             self.programs[cache_key] = prog
             while len(self.programs) > PROGRAM_CACHE_SIZE:
                 self.programs.popitem(last=False)
         return prog
 
-    def _build(self, raw_keys: list, with_out: bool) -> Program:
+    def _build(self, raw_keys: list, with_out: bool, plants: PlantSpec) -> Program:
         wanted = frozenset(raw_keys)
         n_args = len(self.in_avals)
         closed = self.jaxpr
 
         def fn(*flat):
             args, leaves = flat[:n_args], flat[n_args:]
-            run = Run(self.harvest, wanted.__contains__, self._plants(leaves),
-                      foreign=with_out)
+            run = Run(self.harvest, wanted.__contains__, plants.plants(leaves),
+                      keep_other_tags=with_out)
             outs = run.eval(closed.jaxpr, closed.consts, args)
             site = [x for k in raw_keys for x in run.records[k].leaves()]
             return [*outs, *site] if with_out else site
 
-        plant_avals = [a for *_, avals in self.plant_spec for a in avals]
-        jaxpr, consts = _jax.trace_flat(fn, [*self.in_avals, *plant_avals])
+        jaxpr, consts = _jax.trace_flat(fn, [*self.in_avals, *plants.avals])
         jaxpr, _ = _jax.dce(jaxpr, [True] * len(jaxpr.outvars))
         return Program(jaxpr, consts)
-
-    def _plants(self, leaves: Sequence[Any]) -> dict:
-        plants, it = {}, iter(leaves)
-        for key, mode, additive, avals in self.plant_spec:
-            plants[key] = Plant([next(it) for _ in avals], mode, additive)
-        return plants
 
 
 def _site_names(jaxpr: _jax.Jaxpr, tag: Any, out: set) -> set:
@@ -188,8 +227,8 @@ def flatten_args(args: tuple, kwargs: dict) -> tuple[list, Any, tuple]:
 
 # --- plants ------------------------------------------------------------------
 
-def resolve_plants(traced: Traced, plants: Any) -> tuple[Traced, list]:
-    """Checks `plants` against the sites; returns a planting Traced and leaves."""
+def resolve_plants(traced: Traced, plants: Any) -> tuple[PlantSpec, list]:
+    """Checks `plants` against the sites; returns their spec and leaves."""
     h = traced.harvest
     found: dict = {}
 
@@ -237,11 +276,10 @@ def resolve_plants(traced: Traced, plants: Any) -> tuple[Traced, list]:
         cast = []
         for v, aval in zip(vals, site.avals):
             cast.append(_cast_plant(v, aval, where))
-        spec.append((raw, site.mode, bool(raw[0]) and raw[0][-1] == VJP,
-                     tuple(jax.typeof(x) for x in cast)))
+        spec.append(PlantEntry(raw, site.mode, bool(raw[0]) and raw[0][-1] == VJP,
+                               tuple(jax.typeof(x) for x in cast)))
         leaves += cast
-    return attrs.evolve(traced, plant_spec=tuple(spec), index=None,
-                        programs=collections.OrderedDict()), leaves
+    return PlantSpec(tuple(spec)), leaves
 
 
 def _cast_plant(v: Any, aval: Any, where: str) -> Any:

@@ -43,7 +43,7 @@ import numpy as np
 from jax import lax
 
 import lazyharvest as lh
-from lazyharvest.interpreter import sub_jaxprs
+from lazyharvest._interpreter import sub_jaxprs
 from lazyharvest.primitive import sow_p
 
 __all__ = [

@@ -1,0 +1,52 @@
+"""Rules for call-like primitives: `jit`, `closed_call`/`call`, `remat2`.
+
+`jit` keeps its boundary (a nested jit stays a jit call in the harvested
+program, so compile caches keep working); calls without semantics of their
+own are evaluated in place.
+"""
+
+from __future__ import annotations
+
+from lazyharvest import _jax
+from lazyharvest._interpreter.plumbing import finish, invar_avals, trace_body
+from lazyharvest._interpreter.run import EVAL_RULES, Run, bind
+
+
+def _jit(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, in_shardings,
+         in_layouts, donated_invars, out_shardings, out_layouts, **_) -> list:
+    body, inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts, invar_avals(jaxpr.jaxpr))
+    nc, ns = len(body.consts), body.n_site_leaves
+    params = dict(
+        eqn.params, jaxpr=_jax.ClosedJaxpr(body.jaxpr, ()),
+        in_shardings=(_jax.UNSPECIFIED,) * nc + tuple(in_shardings),
+        in_layouts=(None,) * nc + tuple(in_layouts),
+        donated_invars=(False,) * nc + tuple(donated_invars),
+        out_shardings=tuple(out_shardings) + (_jax.UNSPECIFIED,) * ns,
+        out_layouts=tuple(out_layouts) + (None,) * ns)
+    outs = bind(eqn, [*body.consts, *invals], params)
+    return finish(run, body, outs, inner)
+
+
+EVAL_RULES[_jax.jit_p] = _jit
+
+
+def _call(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call_jaxpr, **_) -> list:
+    if isinstance(call_jaxpr, _jax.ClosedJaxpr):
+        jaxpr, consts = call_jaxpr.jaxpr, call_jaxpr.consts
+    else:
+        jaxpr, consts = call_jaxpr, ()
+    # Calls carry no semantics a harvest must keep: evaluate the body in place.
+    return run.eval(jaxpr, consts, invals)
+
+
+EVAL_RULES[_jax.closed_call_p] = _call
+EVAL_RULES[_jax.call_p] = _call
+
+
+def _remat(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, **_) -> list:
+    body, inner = trace_body(run, jaxpr, (), invar_avals(jaxpr))
+    outs = bind(eqn, [*body.consts, *invals], dict(eqn.params, jaxpr=body.jaxpr))
+    return finish(run, body, outs, inner)
+
+
+EVAL_RULES[_jax.remat_p] = _remat

@@ -1,0 +1,91 @@
+"""Rules for `custom_jvp_call` and `custom_vjp_call`: the user's rule stays.
+
+Sites of the primal function are reaped from an inline copy of it (DCE drops
+the copy when no reaped value is used); the outputs still come from the
+custom call, so the user's derivative rule stays in force.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from lazyharvest import _jax
+from lazyharvest._interpreter.plumbing import PlantOperands, strip_sites
+from lazyharvest._interpreter.run import EVAL_RULES, Run, bind
+from lazyharvest._interpreter.sites import count_occurrences
+
+
+def _custom(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call_jaxpr, **_) -> list:
+    counts = count_occurrences(call_jaxpr.jaxpr, run.harvest)
+    if any(k in run.plants for k in counts):
+        return _custom_planted(run, eqn, invals, call_jaxpr)
+    if any(run.want(k) for k in counts):
+        run.eval(call_jaxpr.jaxpr, call_jaxpr.consts, invals)
+    return bind(eqn, invals, dict(eqn.params, call_jaxpr=strip_sites(run, call_jaxpr)))
+
+
+EVAL_RULES[_jax.custom_jvp_call_p] = _custom
+EVAL_RULES[_jax.custom_vjp_call_p] = _custom
+
+
+def _custom_planted(run: Run, eqn: _jax.JaxprEqn, invals: list,
+                    closed: _jax.ClosedJaxpr) -> list:
+    """A custom_jvp/vjp call with plants inside its primal function.
+
+    The planted primal is a new custom function of (inputs, plants) whose
+    derivative rule is the user's, applied to the inputs; plants get a zero
+    derivative, like any constant.
+    """
+    counts = count_occurrences(closed.jaxpr, run.harvest)
+    ops = PlantOperands.of(run, [k for k in counts if k in run.plants])
+    start, n_in = dict(run.cursor), len(invals)
+
+    def planted(*args):
+        inner = run.nested(ops.plants(run.plants, args[n_in:]), start)
+        return inner.eval(closed.jaxpr, closed.consts, args[:n_in]), inner
+
+    if any(run.want(k) for k in counts):
+        _, inner = planted(*invals, *ops.leaves)
+        for k, r in inner.records.items():
+            for c in r.chunks:
+                run.record(k, r.mode, r.tree, c)
+    for k in ops.keys:
+        if run.plants[k].mode == "append":
+            run.cursor[k] = start.get(k, 0) + counts[k]
+    stripped = dict(eqn.params, call_jaxpr=strip_sites(run, closed))
+    original = lambda *xs: bind(eqn, list(xs), stripped)
+    primal = lambda *a: planted(*a)[0]
+    if eqn.primitive is _jax.custom_jvp_call_p:
+        fun = _with_jvp_of(original, primal, n_in)
+    else:
+        fun = _with_vjp_of(original, primal, n_in)
+    return list(fun(*invals, *ops.leaves))
+
+
+def _with_jvp_of(original: Callable, primal: Callable, n_in: int) -> Callable:
+    """`primal(*xs, *plants)` whose JVP is `original`'s in `xs` (plants: zero)."""
+    fun = jax.custom_jvp(primal)
+
+    def jvp(primals, tangents):
+        _, t_out = jax.jvp(original, primals[:n_in], tangents[:n_in])
+        return primal(*primals), t_out
+    fun.defjvp(jvp)
+    return fun
+
+
+def _with_vjp_of(original: Callable, primal: Callable, n_in: int) -> Callable:
+    """`primal(*xs, *plants)` whose VJP is `original`'s in `xs` (plants: zero)."""
+    fun = jax.custom_vjp(primal)
+
+    def fwd(*a: Any):
+        _, vjp = jax.vjp(original, *a[:n_in])
+        return primal(*a), (vjp, a[n_in:])
+
+    def bwd(res, cts):
+        vjp, ps = res
+        return (*vjp(list(cts)), *[jnp.zeros_like(q) for q in ps])
+    fun.defvjp(fwd, bwd)
+    return fun

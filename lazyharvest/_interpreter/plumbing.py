@@ -1,0 +1,137 @@
+"""Operand plumbing shared by every rule: site leaves out of a body, plants in.
+
+A rule re-traces a body with a nested `Run` (`trace_body`); the body's sites
+come out as extra outputs after its own (`Body`). Plants the body needs travel
+in as explicit operands (`PlantOperands`), so a body never closes over a
+planted value: loops can slice them per iteration, `shard_map` can shard them,
+custom rules can treat them as constants.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import attrs
+import jax.numpy as jnp
+
+from lazyharvest import _jax
+from lazyharvest._interpreter.run import Plant, Run, Site
+from lazyharvest._interpreter.sites import RawKey
+
+
+def split_list(xs: Sequence[Any], sizes: Sequence[int]) -> list[list]:
+    """`xs` cut into consecutive chunks of `sizes`, then the rest (as JAX's)."""
+    out, i = [], 0
+    for n in sizes:
+        out.append(list(xs[i:i + n]))
+        i += n
+    out.append(list(xs[i:]))
+    return out
+
+
+def per_site(sites: Sequence[Site], leaves: Sequence[Any]) -> list[list]:
+    """Flat site leaves cut into one list per site."""
+    *chunks, rest = split_list(leaves, [len(s.avals) for s in sites])
+    assert not rest, (len(rest), len(sites))
+    return chunks
+
+
+def merge(run: Run, sites: Sequence[Site], leaves: Sequence[Any]) -> None:
+    """Records the site leaves a body returned into `run`."""
+    for s, ls in zip(sites, per_site(sites, leaves)):
+        run.record(s.key, s.mode, s.tree, ls)
+
+
+def zeros(avals: Sequence[Any]) -> list:
+    return [jnp.zeros(a.shape, a.dtype) for a in avals]
+
+
+def invar_avals(jaxpr: _jax.Jaxpr) -> list:
+    return [v.aval for v in jaxpr.invars]
+
+
+@attrs.frozen
+class PlantOperands:
+    """Plants of some sites, passed into a body as explicit operands."""
+
+    keys: tuple  # RawKeys, in operand order
+    sizes: tuple  # leaves per key
+    leaves: tuple  # the planted leaves as the outer run holds them
+
+    @classmethod
+    def of(cls, run: Run, keys: Sequence[RawKey]) -> "PlantOperands":
+        keys = tuple(keys)
+        return cls(keys, tuple(len(run.plants[k].leaves) for k in keys),
+                   tuple(x for k in keys for x in run.plants[k].leaves))
+
+    def plants(self, base: dict[RawKey, Plant], operands: Sequence[Any],
+               fix: Callable[[Any], Any] | None = None) -> dict[RawKey, Plant]:
+        """`base` with these keys' leaves replaced by `operands`.
+
+        `fix(i, x)` adapts the i-th operand first (e.g. drops a device axis).
+        """
+        if fix is not None:
+            operands = [fix(i, x) for i, x in enumerate(operands)]
+        out = dict(base)
+        for k, leaves in zip(self.keys, split_list(operands, self.sizes)):
+            out[k] = attrs.evolve(out[k], leaves=leaves)
+        return out
+
+
+@attrs.frozen
+class Body:
+    """A re-traced body: `jaxpr(*consts, *args) -> (*outs, *site leaves)`."""
+
+    jaxpr: _jax.Jaxpr
+    consts: list
+    sites: list  # [Site]
+    n_out: int
+
+    @property
+    def n_site_leaves(self) -> int:
+        return sum(len(s.avals) for s in self.sites)
+
+    def split_outs(self, outs: Sequence[Any]) -> tuple[list, list]:
+        """(the body's own outputs, its site leaves)."""
+        return list(outs[:self.n_out]), list(outs[self.n_out:])
+
+
+def trace_body(run: Run, jaxpr: _jax.Jaxpr, consts: Sequence[Any],
+               in_avals: Sequence[Any], make_run: Callable[[list], Run] | None = None,
+               n_extra: int = 0) -> tuple[Body, Run]:
+    """Re-traces `jaxpr` with a nested run; sites come out as extra outputs.
+
+    With `make_run`, the traced function takes `n_extra` more inputs after
+    the body's own and builds the nested run from them (plants as operands).
+    """
+    holder: dict = {}
+
+    def fn(*args):
+        own, extra = args[:len(args) - n_extra], args[len(args) - n_extra:]
+        inner = make_run(list(extra)) if make_run else run.nested()
+        outs = inner.eval(jaxpr, consts, own)
+        holder["run"] = inner
+        holder["sites"] = inner.sites()
+        return [*outs, *inner.site_leaves()]
+
+    new, new_consts = _jax.trace_flat(fn, in_avals)
+    return Body(_jax.consts_as_invars(new), new_consts, holder["sites"],
+                len(jaxpr.outvars)), holder["run"]
+
+
+def finish(run: Run, body: Body, outs: list, inner: Run | None = None) -> list:
+    """Records a body's site outputs and returns its own outputs."""
+    own, leaves = body.split_outs(outs)
+    merge(run, body.sites, leaves)
+    if inner is not None:
+        run.cursor.update(inner.cursor)
+    return own
+
+
+def strip_sites(run: Run, closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
+    """The body with this harvest's sites consumed (identity), nothing reaped."""
+    quiet = run.nested({}, {}, want=lambda k: False)
+    jaxpr, consts = _jax.trace_flat(
+        lambda *a: quiet.eval(closed.jaxpr, closed.consts, a),
+        invar_avals(closed.jaxpr))
+    return _jax.ClosedJaxpr(jaxpr, consts)

@@ -1,0 +1,204 @@
+"""`Run`: one evaluation of a jaxpr under a harvest, and the table of its rules.
+
+`Run.eval` walks a jaxpr eqn by eqn under whatever trace is current (usually
+a fresh jaxpr trace, so the result is again a program). A `sow` eqn of the
+harvested tag is consumed: its value is recorded and/or replaced by a plant.
+Eqns without such sites inside are re-bound unchanged, so user `jit`
+boundaries and compile caches survive. An eqn of a higher-order primitive
+that holds sites goes to its rule in `EVAL_RULES`, keyed by the primitive.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import attrs
+import jax
+import jax.numpy as jnp
+
+from lazyharvest import _jax
+from lazyharvest.errors import HarvestError
+from lazyharvest.primitive import sow_p
+from lazyharvest._interpreter.sites import Harvest, RawKey, contains_sites, raw_key
+
+
+@attrs.define
+class Site:
+    """What a run learnt about one site: identity, mode, structure, avals."""
+
+    key: RawKey
+    mode: str
+    tree: Any
+    avals: tuple  # per leaf, of the reaped value (stacked for append)
+
+
+@attrs.define
+class Record:
+    """The value of one site so far in a run."""
+
+    mode: str
+    tree: Any
+    chunks: list  # strict/clobber: [leaves]; append: list of stacked leaves
+
+    def leaves(self) -> list:
+        if self.mode != "append" or len(self.chunks) == 1:
+            return list(self.chunks[-1])
+        return [jnp.concatenate(parts, axis=0) for parts in zip(*self.chunks)]
+
+
+@attrs.define
+class Plant:
+    """A planted value: replaces the site (adds, for a cotangent site)."""
+
+    leaves: list
+    mode: str
+    additive: bool
+
+
+EvalRule = Callable[..., list]
+EVAL_RULES: dict[_jax.Primitive, EvalRule] = {}
+"""`rule(run, eqn, invals, **eqn.params) -> outvals` for an eqn holding sites."""
+
+
+class Run:
+    """One evaluation of a jaxpr under a harvest.
+
+    `want(key)` says which sites to return; `plants` maps keys to `Plant`s;
+    `cursor` counts, per append site, the planted rows used so far. With
+    `keep_other_tags=False`, sites of other tags are consumed too: a side
+    computation (a DelayedDict leaf) must not sow them a second time.
+    """
+
+    def __init__(self, harvest: Harvest, want: Callable[[RawKey], bool],
+                 plants: dict[RawKey, Plant] | None = None,
+                 cursor: dict[RawKey, int] | None = None,
+                 keep_other_tags: bool = True, abstract: bool = False):
+        self.harvest = harvest
+        # An abstract run only learns the sites' avals: derivative leaves of
+        # recorded transforms get placeholders of the right aval, not traces.
+        self.abstract = abstract
+        self.want = want
+        self.plants = plants or {}
+        self.cursor = dict(cursor or {})
+        self.keep_other_tags = keep_other_tags and not harvest.exclusive
+        self.records: dict[RawKey, Record] = {}
+
+    def nested(self, plants: dict[RawKey, Plant] | None = None,
+               cursor: dict[RawKey, int] | None = None,
+               want: Callable[[RawKey], bool] | None = None) -> "Run":
+        """A run for a body inside this one; each argument left out is inherited."""
+        return Run(self.harvest, self.want if want is None else want,
+                   self.plants if plants is None else plants,
+                   self.cursor if cursor is None else cursor,
+                   self.keep_other_tags, self.abstract)
+
+    # -- recording --------------------------------------------------------
+
+    def record(self, key: RawKey, mode: str, tree: Any, leaves: list) -> None:
+        """Adds one contribution; for append, `leaves` carry a leading axis."""
+        old = self.records.get(key)
+        if old is None:
+            self.records[key] = Record(mode, tree, [list(leaves)])
+            return
+        where = self.harvest.where(key)
+        if old.mode != mode:
+            raise HarvestError(
+                f"{where}: sown with mode {old.mode!r} and again with mode "
+                f"{mode!r}. Use one mode for every sow of a name.")
+        if mode == "strict":
+            raise HarvestError(
+                f"{where}: sown twice in one run with mode='strict'. Give each "
+                f"sow its own name, or use mode='clobber' (keep the last) or "
+                f"mode='append' (stack them).")
+        if mode == "clobber":
+            old.chunks = [list(leaves)]
+            return
+        shapes = [(x.shape[1:], x.dtype) for x in old.chunks[0]]
+        if shapes != [(x.shape[1:], x.dtype) for x in leaves]:
+            raise HarvestError(
+                f"{where}: mode='append' values must all have one shape "
+                f"and dtype; got {shapes} and "
+                f"{[(x.shape[1:], x.dtype) for x in leaves]}.")
+        old.chunks.append(list(leaves))
+
+    def sites(self) -> list[Site]:
+        return [Site(k, r.mode, r.tree, tuple(jax.typeof(x) for x in r.leaves()))
+                for k, r in self.records.items()]
+
+    def site_leaves(self) -> list:
+        return [x for r in self.records.values() for x in r.leaves()]
+
+    # -- evaluation ---------------------------------------------------------
+
+    def eval(self, jaxpr: _jax.Jaxpr, consts: Sequence[Any],
+             args: Sequence[Any]) -> list:
+        env: dict = {}
+
+        def read(v):
+            return v.val if isinstance(v, _jax.Literal) else env[v]
+
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            with _jax.eqn_context(eqn):
+                outs = self.eval_eqn(eqn, invals)
+            for v, x in zip(eqn.outvars, outs):
+                env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    def eval_eqn(self, eqn: _jax.JaxprEqn, invals: list) -> list:
+        prim = eqn.primitive
+        if prim is sow_p:
+            return self.sow(eqn.params, invals)
+        if contains_sites(eqn, self.harvest.tag):
+            rule = EVAL_RULES.get(prim)
+            if rule is None:
+                raise HarvestError(
+                    f"harvest of tag {self.harvest.tag!r}: sites inside the "
+                    f"higher-order primitive {prim.name!r} are not supported. "
+                    f"Move the sow outside it.")
+            return rule(self, eqn, invals, **eqn.params)
+        return bind(eqn, invals)
+
+    def sow(self, params: dict, vals: list) -> list:
+        h = self.harvest
+        if not h.owns(params):
+            return sow_p.bind(*vals, **params) if self.keep_other_tags else vals
+        key = raw_key(params)
+        plant = self.plants.get(key)
+        if params["recompute"]:
+            # A copy rematerialized by jax.checkpoint: planted, never counted.
+            return self.apply_plant(key, plant, vals, advance=False)
+        if not h.selects(params):
+            return sow_p.bind(*vals, **params)
+        mode = params["mode"]
+        if plant is not None:
+            return self.apply_plant(key, plant, vals)
+        if self.want(key):
+            leaves = [x[None] for x in vals] if mode == "append" else vals
+            self.record(key, mode, params["tree"], leaves)
+        return vals
+
+    def apply_plant(self, key: RawKey, plant: Plant | None, vals: list,
+                    advance: bool = True) -> list:
+        if plant is None:
+            return vals
+        if plant.mode == "append":
+            i = self.cursor.get(key, 0)
+            if advance:
+                self.cursor[key] = i + 1
+            new = [p[i] for p in plant.leaves]
+        else:
+            new = list(plant.leaves)
+        if plant.additive:
+            return [v + p.astype(v.dtype) for v, p in zip(vals, new)]
+        return [p.astype(v.dtype) for v, p in zip(vals, new)]
+
+
+def bind(eqn: _jax.JaxprEqn, invals: list, params: dict | None = None) -> list:
+    """Re-binds `eqn`'s primitive (with `params` instead of its own, if given)."""
+    outs = eqn.primitive.bind(*invals, **_jax.bind_params(eqn, params))
+    return list(outs) if eqn.primitive.multiple_results else [outs]

@@ -1,0 +1,134 @@
+"""Finding sites: what a harvest takes, which eqns hold sites, how often each runs.
+
+`count_occurrences` walks a jaxpr with one rule per higher-order primitive in
+`COUNT_RULES` (a body run `length` times by `scan` counts `length` times); a
+primitive without a rule counts its sub-jaxprs once each.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, Iterable
+
+import attrs
+
+from lazyharvest import _jax
+from lazyharvest.keys import PRIMAL, Label
+from lazyharvest.primitive import sow_p
+
+RawKey = tuple  # (path, scopes, name)
+Counts = dict  # RawKey -> occurrences in one evaluation
+
+ANY_TAG = object()  # a harvest of every tag (used to strip all sites)
+
+
+def raw_key(params: dict) -> RawKey:
+    return (params["path"], params["scopes"], params["name"])
+
+
+def describe(key: RawKey) -> str:
+    """A site's key as one readable string, for error messages."""
+    path, scopes, name = key
+    parts = [p.spelled() if isinstance(p, Label) else p for p in path if p != PRIMAL]
+    return "/".join(parts + list(scopes) + [name])
+
+
+@attrs.frozen
+class Harvest:
+    """What one harvest takes: a tag and name filters."""
+
+    tag: Hashable
+    allowlist: frozenset | None = None
+    blocklist: frozenset = frozenset()
+    exclusive: bool = False
+
+    def owns(self, params: dict) -> bool:
+        return self.tag is ANY_TAG or params["tag"] == self.tag
+
+    def selects(self, params: dict) -> bool:
+        name = params["name"]
+        if self.allowlist is not None and name not in self.allowlist:
+            return False
+        return name not in self.blocklist
+
+    def where(self, key: RawKey) -> str:
+        return f"harvest of tag {self.tag!r}, site {describe(key)!r}"
+
+
+def sub_jaxprs(params: dict) -> Iterable[_jax.Jaxpr]:
+    """Every jaxpr among an eqn's parameters (bodies, branches...)."""
+    for v in params.values():
+        vs = v if isinstance(v, (tuple, list)) else (v,)
+        for x in vs:
+            if isinstance(x, _jax.ClosedJaxpr):
+                yield x.jaxpr
+            elif isinstance(x, _jax.Jaxpr):
+                yield x
+
+
+_HAS_SITES: dict = {}
+
+
+def jaxpr_has_sites(jaxpr: _jax.Jaxpr, tag: Hashable) -> bool:
+    key = (id(jaxpr), tag)
+    hit = _HAS_SITES.get(key)
+    if hit is not None and hit[0] is jaxpr:
+        return hit[1]
+    found = any((e.primitive is sow_p and (tag is ANY_TAG or e.params["tag"] == tag))
+                or contains_sites(e, tag) for e in jaxpr.eqns)
+    if len(_HAS_SITES) > 4096:
+        _HAS_SITES.clear()
+    _HAS_SITES[key] = (jaxpr, found)
+    return found
+
+
+def contains_sites(eqn: _jax.JaxprEqn, tag: Hashable) -> bool:
+    return any(jaxpr_has_sites(j, tag) for j in sub_jaxprs(eqn.params))
+
+
+# --- counting ------------------------------------------------------------------
+
+CountRule = Callable[..., Counts]
+COUNT_RULES: dict[_jax.Primitive, CountRule] = {}
+
+
+def add_counts(into: Counts, other: Counts, times: int = 1) -> Counts:
+    for k, n in other.items():
+        into[k] = into.get(k, 0) + n * times
+    return into
+
+
+def count_occurrences(jaxpr: _jax.Jaxpr, harvest: Harvest) -> Counts:
+    """How many times each selected site of `harvest` runs in one evaluation."""
+    counts: Counts = {}
+    for e in jaxpr.eqns:
+        p = e.params
+        if e.primitive is sow_p:
+            if harvest.owns(p) and harvest.selects(p) and not p["recompute"]:
+                add_counts(counts, {raw_key(p): 1})
+            continue
+        rule = COUNT_RULES.get(e.primitive)
+        if rule is not None:
+            add_counts(counts, rule(harvest, **p))
+        else:
+            for j in sub_jaxprs(p):
+                add_counts(counts, count_occurrences(j, harvest))
+    return counts
+
+
+def _count_scan(harvest: Harvest, *, jaxpr, length, **_) -> Counts:
+    return add_counts({}, count_occurrences(jaxpr.jaxpr, harvest), length)
+
+
+def _count_cond(harvest: Harvest, *, branches, **_) -> Counts:
+    # Branches sow the same sites (the cond rule checks it): count one.
+    return count_occurrences(branches[0].jaxpr, harvest)
+
+
+def _count_while(harvest: Harvest, *, body_jaxpr, **_) -> Counts:
+    # Clobber only: a site is present once, however many iterations run.
+    return count_occurrences(body_jaxpr.jaxpr, harvest)
+
+
+COUNT_RULES[_jax.scan_p] = _count_scan
+COUNT_RULES[_jax.cond_p] = _count_cond
+COUNT_RULES[_jax.while_p] = _count_while
