@@ -33,7 +33,7 @@ _GREY, _GREEN, _RED = "#888", "#2a7a2a", "#b22"
 # -- what a DelayedDict holds, without forcing anything ------------------------
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # holds arrays: compared by identity
 class Part:
     """One array of a leaf (a leaf is a pytree of arrays, usually just one)."""
 
@@ -44,7 +44,7 @@ class Part:
     value: Any  # the array when computed, else None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # holds arrays: compared by identity
 class Entry:
     """One leaf of a DelayedDict, shown once under its shortest key."""
 
@@ -171,6 +171,8 @@ def sparkline(values: np.ndarray, bins: int = 16) -> str:
     """
     if values.size < 2:
         return ""
+    if values.min() == values.max():
+        return _BARS[-1]  # numpy would widen the range and draw an off-centre bar
     counts, _ = np.histogram(values, bins=min(bins, values.size))
     top = counts.max()
     levels = np.where(counts > 0, np.ceil(counts / top * 8), 0).astype(int)
@@ -218,7 +220,8 @@ def _header(d: Any, es: Sequence[Entry]) -> str:
     view = f" · view {key_text(d._prefix)}" if d._prefix else ""
     return (f'<div class="lh-header"><b>DelayedDict</b> · tag '
             f'{html.escape(repr(d._store.traced.harvest.tag))}{html.escape(view)} · '
-            f'{len(es)} leaves: {done} computed, {len(es) - done} pending</div>')
+            f'{len(es)} {"leaf" if len(es) == 1 else "leaves"}: {done} computed, '
+            f'{len(es) - done} pending</div>')
 
 
 @dataclasses.dataclass
