@@ -230,6 +230,28 @@ class DelayedDict(Mapping):
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text("DelayedDict(...)" if cycle else repr(self))
 
+    # -- notebooks (lazyharvest/display.py; imported here, lazily, as it reads us)
+
+    def _repr_html_(self) -> str:
+        """A collapsible HTML tree of the leaves; forces nothing."""
+        from lazyharvest import display
+        return display.to_html(self)
+
+    def summary(self, compute: bool = False) -> Any:
+        """A table of every leaf: key, shape, dtype, state, L2 norm, max |x|.
+
+        Arguments:
+          compute: first force every leaf, in one program (`self.compute()`);
+            otherwise pending leaves stay pending and show no numbers.
+        Returns:
+          a `lazyharvest.display.SummaryTable`: `str()` gives aligned text,
+          notebooks render it as HTML, `.rows` holds the values.
+
+        Example: `print(lh.reap(jax.grad(loss), tag="act")(p, x).summary(True))`.
+        """
+        from lazyharvest import display
+        return display.summary(self, compute=compute)
+
 
 class _Pending:
     def __init__(self, avals: tuple):
