@@ -19,10 +19,9 @@ import re
 
 import jax
 import jax.numpy as jnp
+from _common import check_close, flag, fmt_us, header, summary, table, time_interleaved
 
 import lazyharvest as lh
-from _common import (check_close, flag, fmt_us, header, summary, table,
-                     time_interleaved)
 
 TARGET = 1.05
 TAG = "act"

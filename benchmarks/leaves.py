@@ -27,10 +27,22 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from _common import (
+    CompileCounter,
+    block,
+    check_close,
+    flag,
+    fmt_bytes,
+    fmt_ms,
+    fmt_us,
+    header,
+    summary,
+    table,
+    time_interleaved,
+    time_once_median,
+)
 
 import lazyharvest as lh
-from _common import (CompileCounter, block, check_close, flag, fmt_bytes, fmt_ms, fmt_us,
-                     header, summary, table, time_interleaved, time_once_median)
 
 TAG = "act"
 WIDTH = 128

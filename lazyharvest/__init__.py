@@ -13,13 +13,23 @@ from lazyharvest.delayed import DelayedDict, HarvestKeyError
 from lazyharvest.errors import HarvestError
 from lazyharvest.primitive import sow
 from lazyharvest.transforms import (
-    grad, hessian, jacfwd, jacrev, jit, jvp, linearize, value_and_grad, vjp, vmap)
+    grad,
+    hessian,
+    jacfwd,
+    jacrev,
+    jit,
+    jvp,
+    linearize,
+    value_and_grad,
+    vjp,
+    vmap,
+)
 
 # Users' tracebacks skip the library's frames, as they skip JAX's.
 _jax.hide_frames_below(_os.path.dirname(__file__))
 
 __all__ = [
-    "DelayedDict", "HarvestError", "HarvestKeyError", "__version__", "call_and_reap", "grad", "harvest", "hessian",
-    "jacfwd", "jacrev", "jit", "jvp", "linearize", "nest", "plant", "reap", "sow",
-    "value_and_grad", "vjp", "vmap",
+    "DelayedDict", "HarvestError", "HarvestKeyError", "__version__", "call_and_reap",
+    "grad", "harvest", "hessian", "jacfwd", "jacrev", "jit", "jvp", "linearize", "nest",
+    "plant", "reap", "sow", "value_and_grad", "vjp", "vmap",
 ]

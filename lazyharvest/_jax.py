@@ -7,7 +7,8 @@ import from them.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 from jax._src import config as _config
@@ -128,7 +129,7 @@ def is_tracer(x: Any) -> bool:
 
 def any_tracer(xs: Sequence[Any]) -> bool:
     tracer = _core.Tracer
-    for x in xs:
+    for x in xs:  # noqa: SIM110  (a plain loop: this runs on every call)
         if isinstance(x, tracer):
             return True
     return False
@@ -247,7 +248,7 @@ def wrap_cond_batcher(make_rule: Callable[[Callable], Callable]) -> None:
     if getattr(original, "_lazyharvest", False):
         return
     rule = make_rule(original)
-    rule._lazyharvest = True
+    rule._lazyharvest = True  # type: ignore[attr-defined]
     batchers[_cond.cond_p] = rule
 
 

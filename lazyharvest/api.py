@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
 
 import jax
 
@@ -24,7 +25,7 @@ def _run(f: Callable, h: Harvest, plants: Any, args: tuple, kwargs: dict,
          with_out: bool, with_dict: bool) -> Any:
     flat, in_tree, avals = flatten_args(args, kwargs)
     traced = cached_trace(f, h, in_tree, avals)
-    spec, plant_leaves = NO_PLANTS, []
+    spec, plant_leaves = NO_PLANTS, list[Any]()
     if plants is not None:
         spec, plant_leaves = resolve_plants(traced, plants)
     out = None

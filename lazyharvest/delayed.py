@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -77,7 +77,7 @@ class DelayedDict(Mapping):
 
     @classmethod
     def from_trace(cls, traced: Traced, args: list, plants: PlantSpec = NO_PLANTS,
-                   plant_leaves: list | tuple = ()) -> "DelayedDict":
+                   plant_leaves: list | tuple = ()) -> DelayedDict:
         """The DelayedDict of one call: a trace, the call's flat arguments and,
         when the call plants, which sites it plants and the planted leaves."""
         return cls(_Store(traced, list(args), plants, list(plant_leaves)))

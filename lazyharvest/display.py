@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import html
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

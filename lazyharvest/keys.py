@@ -27,7 +27,8 @@ The keys of a site are `(*labels, *scopes, name)`:
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import attrs
 

@@ -11,7 +11,8 @@ an `ax` from `plt.subplots()` to show it in a window.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np

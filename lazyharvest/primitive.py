@@ -20,7 +20,8 @@ Two design points keep it both faithful and free:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Hashable, Iterator
+from collections.abc import Hashable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -236,12 +237,12 @@ def _make_cond_batcher(original):
             return original(axis_data, args, dims, branches=branches, **params)
         lifted = [_lift_sites(b) for b in branches]
         first = lifted[0][1]
-        same = all(ps == first and l.out_avals == lifted[0][0].out_avals
-                   for l, ps in lifted)
+        same = all(ps == first and b.out_avals == lifted[0][0].out_avals
+                   for b, ps in lifted)
         if not same:  # the harvest reports mismatched branches
             return original(axis_data, args, dims, branches=branches, **params)
         outs, out_dims = original(axis_data, args, dims,
-                                  branches=tuple(l for l, _ in lifted), **params)
+                                  branches=tuple(b for b, _ in lifted), **params)
         n = len(branches[0].out_avals)
         site_vals, site_dims = list(outs[n:]), list(out_dims[n:])
         for p in first:

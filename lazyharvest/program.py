@@ -12,7 +12,8 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import jax
@@ -21,10 +22,9 @@ import numpy as np
 
 from lazyharvest import _jax
 from lazyharvest import keys as keys_mod
-from lazyharvest.keys import Label
-from lazyharvest.errors import HarvestError, closest
 from lazyharvest._interpreter import Harvest, Plant, RawKey, Run, split_list, sub_jaxprs
-from lazyharvest.keys import VJP
+from lazyharvest.errors import HarvestError, closest
+from lazyharvest.keys import VJP, Label
 from lazyharvest.primitive import active_tags, current_scopes, harvesting, sow_p
 
 PROGRAM_CACHE_SIZE = 64
@@ -181,7 +181,7 @@ def trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -> Trace
 
 # --- the trace cache: weak in the user's function ---------------------------
 
-_TRACES: "weakref.WeakKeyDictionary[Any, collections.OrderedDict]" = weakref.WeakKeyDictionary()
+_TRACES: weakref.WeakKeyDictionary[Any, collections.OrderedDict] = weakref.WeakKeyDictionary()
 _TRACES_LOCK = threading.Lock()
 
 

@@ -13,7 +13,8 @@ here next to the primitive, builds the leaves described in
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import jax
@@ -22,8 +23,15 @@ import numpy as np
 
 from lazyharvest import _jax
 from lazyharvest._interpreter import (
-    COUNT_RULES, EVAL_RULES, Counts, Harvest, PlantOperands, Run, add_counts,
-    count_occurrences)
+    COUNT_RULES,
+    EVAL_RULES,
+    Counts,
+    Harvest,
+    PlantOperands,
+    Run,
+    add_counts,
+    count_occurrences,
+)
 from lazyharvest.keys import Label
 
 DIFFERENTIAL = ("grad", "value_and_grad", "jacfwd", "jacrev", "hessian")
@@ -69,10 +77,10 @@ class Transform:
         consts, args, kwargs = self.split(flat)
         n_args, extra = len(args), list(extra)
         if self.name == "vmap" and extra:
-            def fn(*a, **kw):
+            def batched(*a, **kw):
                 user, ex = a[:n_args], a[n_args:]
                 return flat_fn(*consts, *jax.tree_util.tree_leaves((user, kw)), *ex)
-            return fn, (*args, *extra), kwargs
+            return batched, (*args, *extra), kwargs
 
         def fn(*a, **kw):
             return flat_fn(*consts, *jax.tree_util.tree_leaves((a, kw)), *extra)
@@ -163,7 +171,7 @@ class Transform:
         return jax.jacrev(fn, argnums, **jac_kw)(*args, **kwargs)
 
 
-_JAX = {
+_JAX: dict[str, Callable] = {
     "jit": lambda fn, **k: jax.jit(fn),
     "grad": jax.grad,
     "value_and_grad": jax.value_and_grad,

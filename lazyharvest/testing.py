@@ -35,7 +35,8 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -659,7 +660,7 @@ def check_nest(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
 # --- law 7 --------------------------------------------------------------------
 
 def check_lazy(f: Callable, *args: Any, tag: Hashable, slices: Mapping[Any, Callable],
-               perturb: Callable | None = None, stack: "Stack | None" = None,
+               perturb: Callable | None = None, stack: Stack | None = None,
                forward: bool = True, linear: bool = True, rtol: float = RTOL,
                atol: float = ATOL, tangents: Any = None, cotangent: Any = None,
                strict_keys: bool = False) -> None:
@@ -1114,10 +1115,10 @@ class _Ctx:
     def __init__(self, scopes: tuple = (), idx: Any = None, last: Any = None):
         self.scopes, self.idx, self.last = scopes, idx, last
 
-    def scoped(self, scope: str) -> "_Ctx":
+    def scoped(self, scope: str) -> _Ctx:
         return _Ctx(self.scopes + (scope,), self.idx, self.last)
 
-    def iteration(self, i: Any, length: int, is_last: Any) -> "_Ctx":
+    def iteration(self, i: Any, length: int, is_last: Any) -> _Ctx:
         idx = i if self.idx is None else self.idx * length + i
         last = is_last if self.last is None else jnp.logical_and(self.last, is_last)
         return _Ctx(self.scopes, idx, last)
@@ -1128,7 +1129,7 @@ class _Interp:
     with JAX alone, collecting every site's value and applying plants and
     perturbations (``lh=False``)."""
 
-    def __init__(self, prog: "Program", use_lh: bool, plants: Mapping | None = None,
+    def __init__(self, prog: Program, use_lh: bool, plants: Mapping | None = None,
                  eps: Mapping | None = None):
         self.prog = prog
         self.lh = use_lh

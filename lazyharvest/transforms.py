@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -139,9 +140,10 @@ def linearize(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
     the returned linear function is JAX's, of the function without sites.
     """
     if not _recording():
-        return jax.linearize(fun, *primals, has_aux=has_aux)
+        return jax.linearize(fun, *primals, has_aux=has_aux)  # type: ignore[call-overload]
     out = record("linearize", fun, {"has_aux": has_aux}, primals, {})
-    lin = jax.linearize(_without_sites(fun, primals), *primals, has_aux=has_aux)
+    lin = jax.linearize(_without_sites(fun, primals), *primals,  # type: ignore[call-overload]
+                         has_aux=has_aux)
     return (out[0], lin[1], out[1]) if has_aux else (out, lin[1])
 
 
@@ -153,7 +155,8 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
     JAX's, of the function without sites.
     """
     if not _recording():
-        return jax.vjp(fun, *primals, has_aux=has_aux)
+        return jax.vjp(fun, *primals, has_aux=has_aux)  # type: ignore[call-overload]
     out = record("vjp", fun, {"has_aux": has_aux}, primals, {})
-    back = jax.vjp(_without_sites(fun, primals), *primals, has_aux=has_aux)
+    back = jax.vjp(_without_sites(fun, primals), *primals,  # type: ignore[call-overload]
+                   has_aux=has_aux)
     return (out[0], back[1], out[1]) if has_aux else (out, back[1])

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from jax import lax
 
 import lazyharvest as lh
-from lazyharvest._jax import ad as _ad  # the one module that touches JAX internals
 from lazyharvest import testing as T
+from lazyharvest._jax import ad as _ad  # the one module that touches JAX internals
 from lazyharvest.primitive import JVP, PRIMAL, VJP, sow_p
 
 HAS_TRANSFORMS = all(hasattr(lh, n) for n in ("vmap", "jit", "grad", "jacfwd", "jacrev"))

@@ -6,11 +6,11 @@ from contextlib import redirect_stdout
 import jax
 import jax.ad_checkpoint
 import jax.numpy as jnp
+from helpers import close
 from jax import lax
 
 import lazyharvest as lh
 from lazyharvest.primitive import harvesting, sow_p
-from helpers import close
 
 sow = lh.sow
 

@@ -14,12 +14,31 @@
 
 from lazyharvest._interpreter import calls, cond, custom, loops, shard_map  # noqa: F401  (registers rules)
 from lazyharvest._interpreter.plumbing import (
-    Body, PlantOperands, finish, invar_avals, merge, per_site, split_list,
-    strip_sites, trace_body, zeros)
+    Body,
+    PlantOperands,
+    finish,
+    invar_avals,
+    merge,
+    per_site,
+    split_list,
+    strip_sites,
+    trace_body,
+    zeros,
+)
 from lazyharvest._interpreter.run import EVAL_RULES, Plant, Record, Run, Site, bind
 from lazyharvest._interpreter.sites import (
-    ANY_TAG, COUNT_RULES, Counts, Harvest, RawKey, add_counts, contains_sites,
-    count_occurrences, describe, raw_key, sub_jaxprs)
+    ANY_TAG,
+    COUNT_RULES,
+    Counts,
+    Harvest,
+    RawKey,
+    add_counts,
+    contains_sites,
+    count_occurrences,
+    describe,
+    raw_key,
+    sub_jaxprs,
+)
 
 __all__ = [
     "ANY_TAG", "COUNT_RULES", "EVAL_RULES", "Body", "Counts", "Harvest", "Plant",

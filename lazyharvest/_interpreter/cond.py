@@ -9,11 +9,17 @@ from __future__ import annotations
 import jax
 
 from lazyharvest import _jax
-from lazyharvest.errors import HarvestError
 from lazyharvest._interpreter.plumbing import (
-    Body, finish, invar_avals, per_site, split_list, trace_body)
+    Body,
+    finish,
+    invar_avals,
+    per_site,
+    split_list,
+    trace_body,
+)
 from lazyharvest._interpreter.run import EVAL_RULES, Run, bind
 from lazyharvest._interpreter.sites import Harvest, describe
+from lazyharvest.errors import HarvestError
 
 
 def _check_same_sites(h: Harvest, bodies: list[Body]) -> None:

@@ -7,7 +7,8 @@ custom call, so the user's derivative rule stays in force.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -13,11 +13,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazyharvest import _jax
-from lazyharvest.errors import HarvestError
 from lazyharvest._interpreter.plumbing import (
-    Body, PlantOperands, invar_avals, merge, per_site, split_list, trace_body, zeros)
+    Body,
+    PlantOperands,
+    invar_avals,
+    merge,
+    per_site,
+    split_list,
+    trace_body,
+    zeros,
+)
 from lazyharvest._interpreter.run import EVAL_RULES, Run, Site, bind
 from lazyharvest._interpreter.sites import Counts, Harvest, count_occurrences
+from lazyharvest.errors import HarvestError
 
 
 def _scan_plants(run: Run, per_iter: Counts, length: int) -> tuple[PlantOperands, list]:
@@ -60,7 +68,7 @@ def _scan_body(body: Body, clob: list[Site], app: list[Site], sizes: list[int],
     keys = [s.key for s in body.sites]
 
     def new_body(*args):
-        c0, c1, carry, old, xs, pxs, _ = split_list(args, sizes)
+        c0, c1, carry, old, xs, pxs, _rest = split_list(args, sizes)
         outs, leaves = body.split_outs(
             _jax.eval_jaxpr(body.jaxpr, (), *c0, *c1, *carry, *xs, *pxs))
         per = dict(zip(keys, per_site(body.sites, leaves)))
@@ -80,7 +88,7 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, length,
     ops, plant_xs = _scan_plants(run, per_iter, length)
     body_avals = invar_avals(jaxpr.jaxpr)
     xs_avals = [jax.typeof(x).update(shape=x.shape[1:]) for x in plant_xs]
-    body, _ = trace_body(run, jaxpr.jaxpr, jaxpr.consts, body_avals + xs_avals,
+    body, _inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts, body_avals + xs_avals,
                          lambda extra: run.nested(ops.plants(run.plants, extra), {}),
                          len(plant_xs))
     _check_scan_modes(run.harvest, body)
@@ -132,23 +140,23 @@ def _check_while_modes(h: Harvest, body: Body) -> None:
 def _while(run: Run, eqn: _jax.JaxprEqn, invals: list, *, cond_jaxpr, body_jaxpr,
            cond_nconsts, body_nconsts, **_) -> list:
     cond_c, body_c, init = split_list(invals, [cond_nconsts, body_nconsts])
-    body, _ = trace_body(run, body_jaxpr.jaxpr, body_jaxpr.consts,
+    body, _inner = trace_body(run, body_jaxpr.jaxpr, body_jaxpr.consts,
                          invar_avals(body_jaxpr.jaxpr))
     _check_while_modes(run.harvest, body)
     # Sites in the loop condition are not reaped: the condition returns only a
     # predicate. They are consumed (identity) like filtered sites.
-    cond, _ = trace_body(run.nested(), cond_jaxpr.jaxpr, cond_jaxpr.consts,
+    cond, _inner = trace_body(run.nested(), cond_jaxpr.jaxpr, cond_jaxpr.consts,
                          invar_avals(cond_jaxpr.jaxpr))
     site_avals = [a for s in body.sites for a in s.avals]
     nb, ncc, ncarry = len(body.consts), len(cond.consts), len(init)
     carry_avals = invar_avals(body_jaxpr.jaxpr)[body_nconsts:] + site_avals
 
     def new_cond(*args):
-        c, carry, _ = split_list(args, [ncc + cond_nconsts, ncarry])
+        c, carry, _rest = split_list(args, [ncc + cond_nconsts, ncarry])
         return _jax.eval_jaxpr(cond.jaxpr, (), *c, *carry)[:1]
 
     def new_body(*args):
-        c, carry, _ = split_list(args, [nb + body_nconsts, ncarry])
+        c, carry, _rest = split_list(args, [nb + body_nconsts, ncarry])
         return _jax.eval_jaxpr(body.jaxpr, (), *c, *carry)
 
     cjaxpr, k1 = _jax.trace_flat(

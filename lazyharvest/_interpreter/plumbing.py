@@ -9,7 +9,8 @@ custom rules can treat them as constants.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import jax.numpy as jnp
@@ -59,13 +60,13 @@ class PlantOperands:
     leaves: tuple  # the planted leaves as the outer run holds them
 
     @classmethod
-    def of(cls, run: Run, keys: Sequence[RawKey]) -> "PlantOperands":
+    def of(cls, run: Run, keys: Sequence[RawKey]) -> PlantOperands:
         keys = tuple(keys)
         return cls(keys, tuple(len(run.plants[k].leaves) for k in keys),
                    tuple(x for k in keys for x in run.plants[k].leaves))
 
     def plants(self, base: dict[RawKey, Plant], operands: Sequence[Any],
-               fix: Callable[[Any], Any] | None = None) -> dict[RawKey, Plant]:
+               fix: Callable[[int, Any], Any] | None = None) -> dict[RawKey, Plant]:
         """`base` with these keys' leaves replaced by `operands`.
 
         `fix(i, x)` adapts the i-th operand first (e.g. drops a device axis).

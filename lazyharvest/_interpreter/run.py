@@ -10,16 +10,17 @@ that holds sites goes to its rule in `EVAL_RULES`, keyed by the primitive.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import jax
 import jax.numpy as jnp
 
 from lazyharvest import _jax
+from lazyharvest._interpreter.sites import Harvest, RawKey, contains_sites, raw_key
 from lazyharvest.errors import HarvestError
 from lazyharvest.primitive import sow_p
-from lazyharvest._interpreter.sites import Harvest, RawKey, contains_sites, raw_key
 
 
 @attrs.define
@@ -85,7 +86,7 @@ class Run:
 
     def nested(self, plants: dict[RawKey, Plant] | None = None,
                cursor: dict[RawKey, int] | None = None,
-               want: Callable[[RawKey], bool] | None = None) -> "Run":
+               want: Callable[[RawKey], bool] | None = None) -> Run:
         """A run for a body inside this one; each argument left out is inherited."""
         return Run(self.harvest, self.want if want is None else want,
                    self.plants if plants is None else plants,

@@ -14,11 +14,10 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from lazyharvest import _jax
-from lazyharvest.errors import HarvestError
-from lazyharvest._interpreter.plumbing import (
-    PlantOperands, invar_avals, per_site, trace_body)
+from lazyharvest._interpreter.plumbing import PlantOperands, invar_avals, per_site, trace_body
 from lazyharvest._interpreter.run import EVAL_RULES, Run, bind
 from lazyharvest._interpreter.sites import count_occurrences
+from lazyharvest.errors import HarvestError
 
 
 def layout_of_aval(aval: Any, axes: tuple, check_vma: bool) -> tuple:
@@ -44,7 +43,7 @@ def _planted_layouts(run: Run, ops: PlantOperands, jaxpr: _jax.Jaxpr, inside,
     if not ops.keys:
         return []
     with inside():
-        plain, _ = trace_body(run.nested({}, {}, want=lambda k: True), jaxpr, (),
+        plain, _inner = trace_body(run.nested({}, {}, want=lambda k: True), jaxpr, (),
                               invar_avals(jaxpr))
     inner = {s.key: s for s in plain.sites}
     return [layout_of_aval(a, axes, check) for k in ops.keys for a in inner[k].avals]
@@ -64,7 +63,7 @@ def _shard_map(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, mesh,
         _jax.local_aval(mesh, manual, check, sp, x)
         for sp, x in zip(plant_specs, ops.leaves)]
     with inside():
-        body, _ = trace_body(
+        body, _inner = trace_body(
             run, jaxpr, (), in_avals,
             lambda extra: run.nested(ops.plants(run.plants, extra, drop_device_axis)),
             len(ops.leaves))

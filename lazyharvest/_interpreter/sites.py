@@ -7,7 +7,7 @@ primitive without a rule counts its sub-jaxprs once each.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 import attrs
 
