@@ -12,6 +12,7 @@ import numpy as np
 from lazyharvest import _jax
 from lazyharvest import keys as keys_mod
 from lazyharvest.errors import HarvestError, closest
+from lazyharvest._interpreter import split_list
 from lazyharvest.program import NO_PLANTS, PlantSpec, Traced, flatten_args
 
 
@@ -31,40 +32,70 @@ class _Store:
         self.args = args
         self.plants = plants
         self.plant_leaves = plant_leaves
-        self.traced_inputs = _jax.any_tracer(args) or _jax.any_tracer(plant_leaves)
+        self.inputs = (*args, *plant_leaves, *traced.jaxpr.consts)
+        # Made inside a trace (inputs or closed-over values are tracers): its
+        # leaves belong to that trace, and die with it.
+        self.traced_inputs = _jax.any_tracer(self.inputs)
         self.values: dict = {}
         self.lock = threading.RLock()
 
-    def force(self, raw_keys: list) -> None:
+    def force(self, raw_keys: list) -> dict:
+        """The values of `raw_keys`, computing the missing ones in one program.
+
+        A DelayedDict made outside any trace but read inside one (`jax.jit`
+        of a closure over it) stages its program into that trace and keeps
+        nothing: memoizing a tracer would poison it for later reads.
+        """
         with self.lock:
-            missing = [k for k in dict.fromkeys(raw_keys) if k not in self.values]
+            keys = list(dict.fromkeys(raw_keys))
+            out = {k: self.values[k] for k in keys if k in self.values}
+            missing = [k for k in keys if k not in out]
+            if self.traced_inputs and any(map(_jax.tracer_is_dead, self.inputs)):
+                raise self._ended(keys)
             if not missing:
-                return
-            if self.traced_inputs and any(
-                    _jax.tracer_is_dead(x) for x in (*self.args, *self.plant_leaves)):
-                names = ", ".join(repr(keys_mod.display(self.traced.key_of[k][0]))
-                                  for k in missing)
-                raise HarvestError(
-                    f"harvest of tag {self.traced.harvest.tag!r}: cannot force "
-                    f"{names}: the DelayedDict was made inside a transformation "
-                    f"(jit/vmap/grad...) whose trace has ended. Force the leaves "
-                    f"inside it (e.g. return d.compute() from the traced function).")
+                return out
             prog = self.traced.program(missing, with_out=False, plants=self.plants)
             flat = prog(*self.args, *self.plant_leaves)
-            it = iter(flat)
-            for k in missing:
-                site = self.traced.sites[k]
-                leaves = [next(it) for _ in site.avals]
-                self.values[k] = jax.tree_util.tree_unflatten(site.tree, leaves)
+            memoize = self.traced_inputs or not _jax.any_tracer(flat)
+            sites = self.traced.sites
+            *chunks, _ = split_list(flat, [len(sites[k].avals) for k in missing])
+            for k, leaves in zip(missing, chunks):
+                out[k] = jax.tree_util.tree_unflatten(sites[k].tree, leaves)
+                if memoize:
+                    self.values[k] = out[k]
+            return out
+
+    def _ended(self, keys: list) -> HarvestError:
+        names = ", ".join(repr(keys_mod.display(self.traced.key_of[k][0])) for k in keys)
+        return HarvestError(
+            f"harvest of tag {self.traced.harvest.tag!r}: cannot read {names}: the "
+            f"DelayedDict was made inside a transformation (jit/vmap/grad...) whose "
+            f"trace has ended. Force the leaves inside it (e.g. return d.compute() "
+            f"from the traced function).")
 
 
 class DelayedDict(Mapping):
     """Reaped values keyed by `(*labels, *scopes, name)`, computed on access.
 
-    `keys()`, `len`, `in` and `avals` need no computation. `d[key]` compiles
-    and runs only the slice of the program that produces that value (once:
-    it is memoized). A key that is a prefix of longer keys gives a sub-view.
-    `compute(*keys)` forces several leaves in one program.
+    A read-only mapping. `keys()`, `len`, `in`, iteration and `avals` need
+    no computation and show each leaf once, under its canonical (shortest)
+    key; structural aliases (keys that add `"jit"`/`"vmap"` labels) are
+    accepted wherever a key is. `d[key]` compiles and runs only the slice of
+    the program that produces that value, once (it is memoized). A key that
+    is a prefix of longer keys gives a sub-view: `d["grad"]["x3"]`.
+
+    Calling convention: a *key* is always one argument, a string or a tuple
+    of strings. Single-leaf methods (`thunk`, `fn`, `is_computed`, `aliases`)
+    take one key; multi-leaf methods (`compute`, `lower`) take any number of
+    keys. (`d.fn("grad", "x3")`, the parts as separate arguments, still works.)
+
+    Not a pytree, not an array: to return reaped values from `jax.jit` (or
+    `vjp`, `make_jaxpr`...), return `d.compute()`.
+
+    **Example:**
+
+        d = lh.reap(lh.grad(f), tag="t")(2.)
+        d["x3"], d["grad", "x3"], d.compute()
     """
 
     def __init__(self, store: _Store, prefix: tuple = ()):
@@ -74,12 +105,18 @@ class DelayedDict(Mapping):
         index = store.traced.key_index(store.plants)
         self._leaves = index if not n else {
             k[n:]: r for k, r in index.items() if k[:n] == prefix and k[n:]}
+        self._canonical = _canonical_keys(self._leaves)
 
     @classmethod
     def from_trace(cls, traced: Traced, args: list, plants: PlantSpec = NO_PLANTS,
                    plant_leaves: list | tuple = ()) -> DelayedDict:
-        """The DelayedDict of one call: a trace, the call's flat arguments and,
-        when the call plants, which sites it plants and the planted leaves."""
+        """The DelayedDict of one call.
+
+        **Arguments:**
+        - traced: the abstract trace of the harvested function.
+        - args: the call's flat array arguments.
+        - plants, plant_leaves: which sites the call plants, and the planted leaves.
+        """
         return cls(_Store(traced, list(args), plants, list(plant_leaves)))
 
     # -- Mapping --------------------------------------------------------------
@@ -89,38 +126,53 @@ class DelayedDict(Mapping):
         k = keys_mod.normalize(key)
         raw = self._leaves.get(k)
         if raw is not None:
-            self._store.force([raw])
-            return self._store.values[raw]
-        if any(full[:len(k)] == k for full in self._leaves):
+            return self._store.force([raw])[raw]
+        if self._has_prefix(k):
             return DelayedDict(self._store, self._prefix + k)
         raise self._unknown(k)
 
     def __iter__(self) -> Iterator[Any]:
-        return (keys_mod.display(k) for k in self._leaves)
+        return (keys_mod.display(k) for k in self._canonical)
 
     def __len__(self) -> int:
-        return len(self._leaves)
+        return len(self._canonical)
 
     def __contains__(self, key: object) -> bool:
-        return keys_mod.normalize(key) in self._leaves
+        k = keys_mod.normalize(key)
+        return k in self._leaves or self._has_prefix(k)
 
-    # -- laziness -------------------------------------------------------------
+    # -- one leaf ---------------------------------------------------------------
 
-    def thunk(self, *key: Any) -> Callable[[], Any]:
-        """The zero-argument function that forces `key`."""
-        raw = self._raw(key)
-        def force() -> Any:
-            self._store.force([raw])
-            return self._store.values[raw]
-        return force
+    def thunk(self, key: Any, *parts: Any) -> Callable[[], Any]:
+        """The zero-argument function that forces one leaf.
 
-    def fn(self, *key: Any) -> Callable[..., Any]:
-        """The leaf as a function of the reaped function's inputs.
+        **Arguments:**
+        - key: one key (a string or a tuple of strings).
 
-        It runs the same compiled slice; arguments must have the shapes and
-        dtypes of the call that made this DelayedDict.
+        **Returns:** a function `() -> value`; calling it forces and memoizes
+        the leaf, as `d[key]` does.
+
+        **Raises:** `HarvestKeyError` for an unknown key.
         """
-        raw = self._raw(key)
+        raw = self._raw(key, parts)
+        return lambda: self._store.force([raw])[raw]
+
+    def fn(self, key: Any, *parts: Any) -> Callable[..., Any]:
+        """One leaf as a function of the reaped function's inputs (its continuation).
+
+        **Arguments:**
+        - key: one key (a string or a tuple of strings).
+
+        **Returns:** a function taking the reaped function's arguments and
+        returning the leaf's value for them; it runs the same compiled slice.
+
+        **Raises:** `HarvestKeyError` for an unknown key; the returned function
+        raises `HarvestError` when its arguments differ in shape or dtype from
+        the call that made this DelayedDict.
+
+        **Example:** `d.fn(("grad", "x3"))(3.)`
+        """
+        raw = self._raw(key, parts)
         store = self._store
         traced = store.traced
 
@@ -137,60 +189,90 @@ class DelayedDict(Mapping):
             return jax.tree_util.tree_unflatten(traced.sites[raw].tree, leaves)
         return continuation
 
-    def compute(self, *keys: Any) -> dict:
-        """Forces the given leaves (all when none) in one program.
+    def is_computed(self, key: Any, *parts: Any) -> bool:
+        """Whether one leaf has been computed (and memoized) already."""
+        return self._raw(key, parts) in self._store.values
 
-        Returns a plain nested dict of arrays, nested by key parts. With no
-        keys, each leaf appears once, under its shortest alias.
+    def aliases(self, key: Any, *parts: Any) -> list:
+        """Every key of one leaf, canonical first (the others add structural labels)."""
+        raw = self._raw(key, parts)
+        keys = [k for k, r in self._leaves.items() if r == raw]
+        keys.sort(key=len)
+        return [keys_mod.display(k) for k in keys]
+
+    # -- several leaves ---------------------------------------------------------
+
+    def compute(self, *keys: Any) -> dict:
+        """Forces several leaves in one compiled program.
+
+        **Arguments:**
+        - *keys: any number of keys (each a string or a tuple); a prefix
+          stands for every key below it. None: every leaf.
+
+        **Returns:** a plain nested dict of arrays, nested by key parts, each
+        leaf once under the key it was asked by (canonical when none given).
+
+        **Raises:** `HarvestKeyError` for an unknown key.
+
+        **Example:** `d.compute("h1", ("vjp", "h1"))`
         """
-        wanted = self._expand(keys) if keys else self._shortest()
-        self._store.force([self._leaves[k] for k in wanted])
+        wanted = self._expand(keys) if keys else list(self._canonical)
+        values = self._store.force([self._leaves[k] for k in wanted])
         out: dict = {}
         for k in wanted:
             node = out
             for part in k[:-1]:
                 node = node.setdefault(part, {})
-            node[k[-1]] = self._store.values[self._leaves[k]]
+            node[k[-1]] = values[self._leaves[k]]
         return out
 
     def lower(self, *keys: Any) -> Any:
         """The `jax.stages.Lowered` program that `compute(*keys)` runs.
 
         For inspection: `.as_text()`, `.compile().memory_analysis()`,
-        `.cost_analysis()`.
+        `.cost_analysis()`. Keys as for `compute`.
         """
-        wanted = self._expand(keys) if keys else self._shortest()
+        wanted = self._expand(keys) if keys else list(self._canonical)
         raws = list(dict.fromkeys(self._leaves[k] for k in wanted))
         prog = self._store.traced.program(raws, with_out=False, plants=self._store.plants)
         return prog.fn.lower(*self._store.args, *self._store.plant_leaves)
 
     @property
     def avals(self) -> dict:
-        """Shape and dtype of every leaf (as `jax.ShapeDtypeStruct` pytrees)."""
+        """Shape and dtype of every leaf (`jax.ShapeDtypeStruct` pytrees), by
+        canonical key; computes nothing."""
         sites = self._store.traced.sites
         return {keys_mod.display(k): jax.tree_util.tree_unflatten(
                     sites[r].tree,
                     [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in sites[r].avals])
-                for k, r in self._leaves.items()}
+                for k, r in ((k, self._leaves[k]) for k in self._canonical)}
 
-    def is_computed(self, *key: Any) -> bool:
-        return self._raw(key) in self._store.values
+    # -- not an array -----------------------------------------------------------
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(self._not_an_array())
+
+    def __jax_array__(self) -> Any:
+        raise TypeError(self._not_an_array())
+
+    def _not_an_array(self) -> str:
+        return (f"a DelayedDict (harvest of tag {self._store.traced.harvest.tag!r}) is "
+                f"a lazy mapping, not an array or a pytree: use d[key] for one leaf, "
+                f"or d.compute() for a nested dict of arrays (return that from "
+                f"jax.jit).")
 
     # -- helpers --------------------------------------------------------------
 
-    def _raw(self, key: tuple) -> Any:
-        k = tuple(key) if len(key) != 1 else keys_mod.normalize(key[0])
+    def _has_prefix(self, k: tuple) -> bool:
+        n = len(k)
+        return n > 0 and any(full[:n] == k and len(full) > n for full in self._leaves)
+
+    def _raw(self, key: Any, parts: tuple = ()) -> Any:
+        k = (key, *parts) if parts else keys_mod.normalize(key)
         raw = self._leaves.get(k)
         if raw is None:
             raise self._unknown(k)
         return raw
-
-    def _shortest(self) -> list:
-        best: dict = {}
-        for k, r in self._leaves.items():
-            if r not in best or len(k) < len(best[r]):
-                best[r] = k
-        return list(best.values())
 
     def _expand(self, keys: tuple) -> list:
         out = []
@@ -199,24 +281,34 @@ class DelayedDict(Mapping):
             if k in self._leaves:
                 out.append(k)
                 continue
-            below = [full for full in self._leaves if full[:len(k)] == k]
+            below = [full for full in self._canonical if full[:len(k)] == k]
             if not below:
                 raise self._unknown(k)
             out += below
         return list(dict.fromkeys(out))
 
     def _unknown(self, k: tuple) -> HarvestKeyError:
-        shown = [keys_mod.display(x) for x in self._leaves]
+        traced = self._store.traced
+        tag = traced.harvest.tag
+        shown = [keys_mod.display(x) for x in self._canonical]
+        if not traced.names and not self._prefix:
+            others = sorted(map(repr, traced.other_tags))
+            hint = (f" Tags sown in this program: {', '.join(others)}." if others
+                    else " No site of any tag is sown in this program.")
+            return HarvestKeyError(
+                f"harvest of tag {tag!r}: no key {keys_mod.display(k)!r}: no site "
+                f"of tag {tag!r} is sown.{hint} Check the tag's spelling.")
         near = closest(str(keys_mod.display(k)), [str(s) for s in shown])
         return HarvestKeyError(
-            f"harvest of tag {self._store.traced.harvest.tag!r}: no key "
-            f"{keys_mod.display(k)!r}. Closest keys: {near}. All keys: {shown}.")
+            f"harvest of tag {tag!r}: no key {keys_mod.display(k)!r}. "
+            f"Closest keys: {near}. All keys: {shown}.")
 
     def _tree(self) -> dict:
         out: dict = {}
         values = self._store.values
         sites = self._store.traced.sites
-        for k, r in self._leaves.items():
+        for k in self._canonical:
+            r = self._leaves[k]
             node = out
             for part in k[:-1]:
                 node = node.setdefault(part, {})
@@ -251,6 +343,15 @@ class DelayedDict(Mapping):
         """
         from lazyharvest import display
         return display.summary(self, compute=compute)
+
+
+def _canonical_keys(leaves: dict) -> list:
+    """One key per leaf, the shortest of its aliases, in first-seen order."""
+    best: dict = {}
+    for k, r in leaves.items():
+        if r not in best or len(k) < len(best[r]):
+            best[r] = k
+    return list(best.values())
 
 
 class _Pending:

@@ -100,6 +100,7 @@ class Traced:
     key_of: dict  # RawKey -> [user key], canonical first, then aliases
     raw_of: dict  # user key -> RawKey
     names: frozenset  # every name the tag sows, filtered or not
+    other_tags: frozenset  # tags of the other sites in the program (for errors)
     programs: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)
     indexes: dict = attrs.field(factory=dict)  # PlantSpec -> key index
     lock: Any = attrs.field(factory=threading.RLock)
@@ -148,13 +149,17 @@ class Traced:
         return Program(jaxpr, consts)
 
 
-def _site_names(jaxpr: _jax.Jaxpr, tag: Any, out: set) -> set:
+def _site_names(jaxpr: _jax.Jaxpr, tag: Any, names: set, tags: set) -> tuple[set, set]:
+    """Every name `tag` sows, and every other tag sown, anywhere in `jaxpr`."""
     for e in jaxpr.eqns:
-        if e.primitive is sow_p and e.params["tag"] == tag:
-            out.add(e.params["name"])
+        if e.primitive is sow_p:
+            if e.params["tag"] == tag:
+                names.add(e.params["name"])
+            else:
+                tags.add(e.params["tag"])
         for j in sub_jaxprs(e.params):
-            _site_names(j, tag, out)
-    return out
+            _site_names(j, tag, names, tags)
+    return names, tags
 
 
 def trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -> Traced:
@@ -174,9 +179,10 @@ def trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -> Trace
     _jax.trace_flat(analyse, in_avals)
     sites = {s.key: s for s in found}
     key_of = keys_mod.assign(sites)
+    names, tags = _site_names(closed.jaxpr, harvest.tag, set(), set())
     return Traced(harvest, closed, in_avals, out_tree, sites, key_of,
                   {u: k for k, us in key_of.items() for u in us},
-                  frozenset(_site_names(closed.jaxpr, harvest.tag, set())))
+                  frozenset(names), frozenset(tags))
 
 
 # --- the trace cache: weak in the user's function ---------------------------
@@ -197,6 +203,8 @@ def cached_trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -
     if hit is not None:
         return hit
     traced = trace(f, harvest, in_tree, in_avals)
+    if _jax.any_tracer(traced.jaxpr.consts):  # closes over a tracer: this trace only
+        return traced
     with _TRACES_LOCK:
         per_fn[key] = traced
         while len(per_fn) > TRACE_CACHE_SIZE:
