@@ -70,13 +70,7 @@ def sow_modules(model: Any, *, tag: Hashable, filter: Filter | None = None,
       >>> d["layers", "0", "__call__"].shape
       (8,)
     """
-    if mode not in MODES:
-        raise HarvestError(
-            f"sow_modules(tag={tag!r}): unknown mode {mode!r}; use one of "
-            f"{', '.join(map(repr, MODES))}.")
-    if filter is not None and not callable(filter):
-        raise TypeError(f"sow_modules: filter must be callable, got {filter!r}")
-    keep = filter if filter is not None else (lambda path, module: True)
+    keep = _checked_filter(tag, filter, mode)
     site = (tag, mode)
     if _is_instance(model, "equinox", "Module"):
         return _sow_equinox(model, site, keep)
@@ -90,6 +84,16 @@ def sow_modules(model: Any, *, tag: Hashable, filter: Filter | None = None,
     raise TypeError(
         f"sow_modules: expected an equinox.Module, a flax.nnx.Module or a "
         f"flax.linen Module's bound method, got {type(model).__name__}.{hint}")
+
+
+def _checked_filter(tag: Hashable, filter: Filter | None, mode: str) -> Filter:
+    if mode not in MODES:
+        raise HarvestError(
+            f"sow_modules(tag={tag!r}): unknown mode {mode!r}; use one of "
+            f"{', '.join(map(repr, MODES))}.")
+    if filter is not None and not callable(filter):
+        raise TypeError(f"sow_modules: filter must be callable, got {filter!r}")
+    return filter if filter is not None else (lambda path, module: True)
 
 
 def _is_instance(obj: Any, module: str, name: str) -> bool:
