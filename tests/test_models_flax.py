@@ -280,6 +280,35 @@ def test_linen_plant_grad_filter(linen):
                              ("layers_1", "Dense_0", "__call__"), ("head", "__call__")}
 
 
+class Cell(nn.Module):
+    @nn.compact
+    def __call__(self, c, x):
+        h = jnp.tanh(nn.Dense(3)(c) + x)
+        return h, h
+
+
+class Recurrent(nn.Module):
+    @nn.compact
+    def __call__(self, xs):
+        scan = nn.scan(Cell, variable_broadcast="params", split_rngs={"params": False})
+        return scan()(jnp.zeros(3), xs)[1]
+
+
+def test_linen_scan_needs_append_and_stacks():
+    model, xs = Recurrent(), jnp.linspace(-1, 1, 12).reshape(4, 3)
+    variables = model.init(jax.random.key(0), xs)
+    with pytest.raises(lh.HarvestError, match="append"):
+        lh.reap(lambda x: lh.sow_modules(model.apply, tag=T)(variables, x), tag=T)(xs)
+    apply = lh.sow_modules(model.apply, tag=T, mode="append")
+    d = lh.reap(lambda x: apply(variables, x), tag=T)(xs)
+    p = variables["params"]["ScanCell_0"]["Dense_0"]
+    c, dense = jnp.zeros(3), []
+    for x in xs:
+        dense.append(c @ p["kernel"] + p["bias"])
+        c = jnp.tanh(dense[-1] + x)
+    close(d["ScanCell_0", "Dense_0", "__call__"], jnp.stack(dense))
+
+
 def test_linen_module_instance_gets_a_hint(linen):
     model, _, _ = linen
     with pytest.raises(TypeError, match=r"model\.apply"):
