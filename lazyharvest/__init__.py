@@ -11,6 +11,7 @@ from lazyharvest._version import __version__
 from lazyharvest.api import call_and_reap, harvest, nest, plant, reap
 from lazyharvest.delayed import DelayedDict, HarvestKeyError
 from lazyharvest.errors import HarvestError
+from lazyharvest.models import sow_modules
 from lazyharvest.primitive import sow
 from lazyharvest.transforms import (
     grad,
@@ -31,5 +32,5 @@ _jax.hide_frames_below(_os.path.dirname(__file__))
 __all__ = [
     "DelayedDict", "HarvestError", "HarvestKeyError", "__version__", "call_and_reap",
     "grad", "harvest", "hessian", "jacfwd", "jacrev", "jit", "jvp", "linearize", "nest",
-    "plant", "reap", "sow", "value_and_grad", "vjp", "vmap",
+    "plant", "reap", "sow", "sow_modules", "value_and_grad", "vjp", "vmap",
 ]
