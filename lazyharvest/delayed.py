@@ -252,9 +252,6 @@ class DelayedDict(Mapping):
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(self._not_an_array())
 
-    def __jax_array__(self) -> Any:
-        raise TypeError(self._not_an_array())
-
     def _not_an_array(self) -> str:
         return (f"a DelayedDict (harvest of tag {self._store.traced.harvest.tag!r}) is "
                 f"a lazy mapping, not an array or a pytree: use d[key] for one leaf, "
@@ -390,3 +387,13 @@ def _short(x: Any) -> str:
             return repr(np.vectorize(lambda v: float(f"{v:.6g}"), otypes=[float])(a).tolist())
         return repr(a.tolist())
     return f"<{jax.typeof(x).str_short(short_dtypes=True)}>"
+
+
+def _refuse_flatten(d: DelayedDict) -> Any:
+    raise TypeError(d._not_an_array())
+
+
+# Not a pytree: any use as one (returning it from jax.jit, tree_map over it)
+# gets the error that says what to do, not JAX's generic one.
+jax.tree_util.register_pytree_node(
+    DelayedDict, _refuse_flatten, lambda aux, children: None)  # type: ignore[arg-type,return-value]
