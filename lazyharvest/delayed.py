@@ -11,8 +11,8 @@ import numpy as np
 
 from lazyharvest import _jax
 from lazyharvest import keys as keys_mod
-from lazyharvest.errors import HarvestError, closest
 from lazyharvest._interpreter import split_list
+from lazyharvest.errors import HarvestError, closest
 from lazyharvest.program import NO_PLANTS, PlantSpec, Traced, flatten_args
 
 

@@ -13,7 +13,8 @@ import functools
 import inspect
 import sys
 import types
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import jax
 import numpy as np
