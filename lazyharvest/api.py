@@ -42,7 +42,56 @@ def _run(f: Callable, h: Harvest, plants: Any, args: tuple, kwargs: dict,
 def reap(f: Callable, *, tag: Hashable, allowlist: Iterable[str] | None = None,
          blocklist: Iterable[str] = (), exclusive: bool = False
          ) -> Callable[..., DelayedDict]:
-    """`reap(f, tag=t)(*args)` -> the `DelayedDict` of `f`'s sites of tag `t`."""
+    """Makes `f` return its sites of `tag`, lazily, instead of its output.
+
+    **Arguments:**
+
+    - `f`: the function to harvest; any JAX code may run inside it (`jit`,
+      `vmap`, `grad`, `scan`, ...). Its arguments are pytrees of arrays.
+    - `tag`: the tag of the sites to take.
+    - `allowlist`: if given, only the sites it names are taken: names, or
+      scoped keys `(*scopes, name)` for sites inside `nest`. The others behave
+      as the identity.
+    - `blocklist`: sites it names (names or scoped keys) are not taken and
+      behave as the identity.
+    - `exclusive`: if `True`, sites of other tags inside `f` are hidden from
+      harvests outside this one.
+
+    **Returns:**
+
+    A function with `f`'s arguments that returns a `DelayedDict` of the sites,
+    keyed by `(*labels, *scopes, name)` (tangents under `"jvp"` and cotangents
+    under `"vjp"` labels when `f` differentiates; see `docs/semantics.md`).
+    Calling it traces `f` abstractly, once per argument shapes and dtypes, and
+    computes nothing: reading `d[key]` compiles and runs only the slice of
+    `f` that computes that leaf; `d.compute()` computes every leaf in one
+    program and returns a dict. The `DelayedDict` is not a pytree: to return
+    reaped values from `jax.jit` (or `jax.jvp`, `jax.vjp`, ...), return
+    `d.compute()`.
+
+    **Raises:**
+
+    `lh.HarvestError`, raised by the call, for errors in `f`'s structure (a
+    `"strict"` site sown twice, one name sown with two modes, a site that
+    breaks the `scan`/`cond`/`while_loop` rules) and for an argument leaf that
+    is not an array. Errors about a key (`lh.HarvestKeyError`, also a
+    `KeyError`) are raised when the `DelayedDict` is indexed.
+
+    **Example:**
+
+    >>> import jax
+    >>> import lazyharvest as lh
+    >>> def f(x):
+    ...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+    >>> d = lh.reap(f, tag="t")(2.)
+    >>> print(d["x3"])
+    8.0
+    >>> print(lh.reap(jax.grad(f), tag="t")(2.)["vjp", "x3"])
+    1.0
+    >>> out = jax.jit(lambda x: lh.reap(f, tag="t")(x).compute())(2.)
+    >>> print(out["x3"])
+    8.0
+    """
     h = _harvest(tag, allowlist, blocklist, exclusive)
 
     @_jax.api_boundary
@@ -56,7 +105,45 @@ def call_and_reap(f: Callable, *, tag: Hashable,
                   allowlist: Iterable[str] | None = None,
                   blocklist: Iterable[str] = (), exclusive: bool = False
                   ) -> Callable[..., tuple[Any, DelayedDict]]:
-    """`call_and_reap(f, tag=t)(*args)` -> `(f(*args), DelayedDict)`."""
+    """Makes `f` return its output and its sites of `tag`, lazily.
+
+    **Arguments:**
+
+    - `f`: the function to harvest; any JAX code may run inside it. Its
+      arguments are pytrees of arrays.
+    - `tag`: the tag of the sites to take.
+    - `allowlist`: if given, only the sites it names are taken: names, or
+      scoped keys `(*scopes, name)` for sites inside `nest`. The others behave
+      as the identity.
+    - `blocklist`: sites it names (names or scoped keys) are not taken and
+      behave as the identity.
+    - `exclusive`: if `True`, sites of other tags inside `f` are hidden from
+      harvests outside this one; otherwise they are sown again by the program
+      that computes the output, so an outer harvest of their tag sees them.
+
+    **Returns:**
+
+    A function with `f`'s arguments that returns `(out, d)`: `f`'s output,
+    computed by the call (by a program without the sites of `tag`), and the
+    lazy `DelayedDict` of the sites, as for `reap`. Reading a leaf of `d`
+    runs that leaf's slice; read several with one `d.compute()`. `d` is not a
+    pytree: return `d.compute()` from `jax.jit`.
+
+    **Raises:**
+
+    `lh.HarvestError`, raised by the call, for errors in `f`'s structure or
+    arguments, as for `reap`. Errors about a key are raised when `d` is
+    indexed.
+
+    **Example:**
+
+    >>> import lazyharvest as lh
+    >>> def f(x):
+    ...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+    >>> out, d = lh.call_and_reap(f, tag="t")(2.)
+    >>> print(out, d["x3"])
+    9.0 8.0
+    """
     h = _harvest(tag, allowlist, blocklist, exclusive)
 
     @_jax.api_boundary
@@ -69,10 +156,50 @@ def call_and_reap(f: Callable, *, tag: Hashable,
 def plant(f: Callable, *, tag: Hashable, allowlist: Iterable[str] | None = None,
           blocklist: Iterable[str] = (), exclusive: bool = False
           ) -> Callable[..., Any]:
-    """`plant(f, tag=t)(plants, *args)` -> `f(*args)` with planted sites.
+    """Makes `f` take values for its sites of `tag`, which replace the sown ones.
 
-    `plants` is a (nested) mapping keyed like the reaped keys. A planted value
-    replaces the sown one; on a cotangent site (a backward pass) it is added.
+    **Arguments:**
+
+    - `f`: the function to plant into; any JAX code may run inside it. Its
+      arguments are pytrees of arrays.
+    - `tag`: the tag of the sites to plant.
+    - `allowlist`: if given, only the sites it names can be planted: names,
+      or scoped keys `(*scopes, name)` for sites inside `nest`. A plant for a
+      site filtered out is ignored.
+    - `blocklist`: sites it names (names or scoped keys) are not planted; a
+      plant for them is ignored.
+    - `exclusive`: if `True`, sites of other tags inside `f` are hidden from
+      harvests outside this one.
+
+    **Returns:**
+
+    A function `g(plants, *args, **kwargs)` that returns `f(*args, **kwargs)`
+    with the planted values. `plants` is a mapping keyed like the reaped keys,
+    nested (`{"layer": {"x3": v}}`) or with tuple keys
+    (`{("layer", "x3"): v}`). A planted value replaces the sown one; on a
+    cotangent site (a `"vjp"` key: the backward function of `jax.vjp`, or a
+    program that runs `jax.grad`) it is added to the cotangent flowing there.
+    Python scalars are cast to the site's dtype. Only the planted sites are
+    consumed: a harvest outside `g` still sees the others.
+
+    **Raises:**
+
+    `lh.HarvestError`, raised by the call (there is no `DelayedDict` to index
+    later): `plants` is not a mapping; a key that no site of `tag` sows; a
+    value of another pytree structure, shape or dtype kind than the site's; a
+    derivative leaf of a recorded transform; and the errors in `f`'s
+    structure that `reap` reports.
+
+    **Example:**
+
+    >>> import jax
+    >>> import lazyharvest as lh
+    >>> def f(x):
+    ...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+    >>> print(lh.plant(f, tag="t")({"x3": 100.}, 2.))
+    101.0
+    >>> print(lh.plant(jax.grad(f), tag="t")({"vjp": {"x3": 1.}}, 2.))  # 12 + 1 * 12
+    24.0
     """
     h = _harvest(tag, allowlist, blocklist, exclusive)
 
@@ -86,9 +213,43 @@ def plant(f: Callable, *, tag: Hashable, allowlist: Iterable[str] | None = None,
 def harvest(f: Callable, *, tag: Hashable, allowlist: Iterable[str] | None = None,
             blocklist: Iterable[str] = (), exclusive: bool = False
             ) -> Callable[..., tuple[Any, DelayedDict]]:
-    """`harvest(f, tag=t)(plants, *args)` -> `(out, DelayedDict)`.
+    """Plants into `f` and reaps the sites of `tag` that were not planted.
 
-    Planted names do not appear among the reaped ones.
+    **Arguments:**
+
+    - `f`: the function to harvest; any JAX code may run inside it. Its
+      arguments are pytrees of arrays.
+    - `tag`: the tag of the sites to plant and take.
+    - `allowlist`: if given, only the sites it names are planted and taken:
+      names, or scoped keys `(*scopes, name)` for sites inside `nest`. The
+      others behave as the identity, and a plant for them is ignored.
+    - `blocklist`: sites it names (names or scoped keys) are neither planted
+      nor taken.
+    - `exclusive`: if `True`, sites of other tags inside `f` are hidden from
+      harvests outside this one.
+
+    **Returns:**
+
+    A function `g(plants, *args, **kwargs)` that returns `(out, d)`: `f`'s
+    output with the plants applied (as for `plant`), and the lazy
+    `DelayedDict` of the sites (as for `call_and_reap`). Planted names do not
+    appear in `d`. `d` is not a pytree: return `d.compute()` from `jax.jit`.
+
+    **Raises:**
+
+    `lh.HarvestError`, raised by the call, for the errors of `plant` (about
+    `plants`) and of `reap` (about `f`'s structure). Errors about a key are
+    raised when `d` is indexed.
+
+    **Example:**
+
+    >>> import lazyharvest as lh
+    >>> def f(x):
+    ...     a = lh.sow(x, tag="t", name="a")
+    ...     return a + lh.sow(2 * a, tag="t", name="b")
+    >>> out, d = lh.harvest(f, tag="t")({"a": 10.}, 1.)
+    >>> print(out, list(d.keys()), d["b"])
+    30.0 ['b'] 20.0
     """
     h = _harvest(tag, allowlist, blocklist, exclusive)
 
@@ -100,7 +261,37 @@ def harvest(f: Callable, *, tag: Hashable, allowlist: Iterable[str] | None = Non
 
 
 def nest(f: Callable, *, scope: str) -> Callable[..., Any]:
-    """Prepends `scope` to the scopes of every site inside `f`."""
+    """Puts the sites inside `f` under `scope`.
+
+    **Arguments:**
+
+    - `f`: the function whose sites get the scope.
+    - `scope`: a string, prepended to the scopes of every site `f` sows while
+      it runs (so nested `nest` calls give `(outer, inner, ...)`).
+
+    **Returns:**
+
+    A function with `f`'s arguments and output. The key of a site inside it
+    is `(*labels, scope, *inner_scopes, name)`; read it as `d[scope, name]` or
+    through the sub-view `d[scope][name]`. Plants are looked up under `scope`
+    too.
+
+    **Raises:**
+
+    `TypeError`, raised by `nest` itself, if `scope` is not a string.
+
+    **Example:**
+
+    >>> import lazyharvest as lh
+    >>> def f(x):
+    ...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+    >>> layer = lh.nest(f, scope="layer")
+    >>> d = lh.reap(layer, tag="t")(2.)
+    >>> print(list(d.keys()), d["layer"]["x3"])
+    [('layer', 'x3')] 8.0
+    >>> print(lh.plant(layer, tag="t")({"layer": {"x3": 0.}}, 2.))
+    1.0
+    """
     if not isinstance(scope, str):
         raise TypeError(f"nest: scope must be a string, got {scope!r}")
 

@@ -163,14 +163,50 @@ def _check_leaf(leaf: Any, tag: Hashable, name: str) -> Any:
 
 def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
         key: Any = None) -> Any:
-    """Marks `value` as the site `name` of harvest `tag`; returns `value`.
+    """Marks `value` as the site `name` of the harvests of `tag`; returns `value`.
 
-    Outside a harvest of `tag` it is the identity: nothing in eager mode, an
-    eqn that lowers to no HLO under `jit`. `mode` says what a second sow of the
-    same name in one run does: "strict" (an error), "clobber" (the last value
-    wins) or "append" (values are stacked along a new leading axis).
-    `key` is accepted for compatibility with Oryx and not needed: constants are
-    reaped without it.
+    Outside a harvest of `tag` it is the identity and costs nothing: nothing
+    happens in eager mode, and under `jax.jit` it lowers to no operation.
+    Inside `reap`, `call_and_reap`, `plant` or `harvest` of `tag`, its value
+    (and, under JAX's differentiation, its tangent or cotangent) can be reaped
+    or replaced.
+
+    **Arguments:**
+
+    - `value`: a pytree of arrays (Python numbers are taken as arrays).
+    - `tag`: any hashable; the harvests of this tag take the site.
+    - `name`: a string, the site's name; its key is `(*labels, *scopes, name)`.
+    - `mode`: what a second sow of `name` in one run does: `"strict"` (an
+      error), `"clobber"` (the last value wins) or `"append"` (the values are
+      stacked along a new leading axis, in program order; by iteration in
+      `lax.scan`). Inside `lax.while_loop` only `"clobber"` is allowed.
+    - `key`: accepted for compatibility with Oryx's `sow`, and ignored:
+      constants are reaped without it.
+
+    **Returns:**
+
+    `value` itself; inside a `plant` or `harvest` that plants this site, the
+    planted value.
+
+    **Raises:**
+
+    `lh.HarvestError` if `mode` is not one of the three, if `value` is `None`
+    or has a leaf that is not an array or a Python number, or if `name` is not
+    a string (checked where the sow is traced). A second `"strict"` sow of one
+    name, or one name sown with two modes, is reported by the harvest, when
+    the reaped function is called.
+
+    **Example:**
+
+    >>> import lazyharvest as lh
+    >>> def f(x):
+    ...     for _ in range(3):
+    ...         x = lh.sow(x + 1., tag="t", name="h", mode="append")
+    ...     return x
+    >>> print(f(0.))  # outside a harvest: the identity
+    3.0
+    >>> print(lh.reap(f, tag="t")(0.)["h"])
+    [1. 2. 3.]
     """
     del key
     if _jax.in_eager_mode() and isinstance(value, jax.Array) and mode in MODES:

@@ -4,12 +4,17 @@ Each takes exactly JAX's arguments and returns exactly what JAX returns.
 Outside a harvest it *is* the JAX transformation. While a harvest is being
 traced, it stages one `recorded_transform` eqn instead (`recorded.py`), so
 the sites inside get the transformation's label on their path.
+
+Their docstrings are built from one template and an entry of `_DOCS` each;
+the function transforms keep `__wrapped__`, so `inspect.signature` shows
+JAX's parameters.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +33,220 @@ def _recording() -> bool:
     return bool(active_tags())
 
 
+# --- docstrings: one template, a sentence and an example per transform ----------
+
+_TEMPLATE = """`jax.{name}`, recorded: {summary}
+
+{intro}
+
+{chosen}
+
+**Arguments:**
+
+{arguments}
+
+**Returns:**
+
+{returns}
+
+**Raises:**
+
+{raises}
+
+**Example:**
+
+{example}"""
+
+_INTRO = ("Takes exactly the arguments of `jax.{name}` and returns exactly what it "
+          "returns; outside a harvest it is `jax.{name}`. Called inside a function "
+          "being reaped, planted or harvested (wrapping it directly, inside a lambda "
+          "or helper, nested in other recorded transforms, under `jax.jit`), it adds "
+          "the label `\"{name}\"` to the path of every site inside it. A key may "
+          "choose the label (write it) or see through it (leave it out); labels come "
+          "innermost first, before the `nest` scopes.")
+
+_RAISES = ("What `jax.{name}` raises for the same arguments, and, while a harvest "
+           "is traced, the `lh.HarvestError`s of that harvest (see `lh.reap`).")
+
+_DIFFERENTIAL_SEEN = ("Leaving it out gives the site's plain (primal) value. When "
+                      "two keys would collide (`lh.grad(lh.grad(f))`), the unchosen "
+                      "levels are spelled `\"~{name}\"`; `d.keys()` shows the keys.")
+
+_DOCS: dict[str, dict[str, str]] = {
+    "grad": dict(
+        summary="the gradient, and the gradient of each site.",
+        chosen="Choosing `\"grad\"` gives the derivative of the site's slice with "
+               "respect to `argnums` (its Jacobian, as `jacrev` would, when the site "
+               "is not a scalar). " + _DIFFERENTIAL_SEEN,
+        returns=": the function computing the gradient of `fun`",
+        example="""\
+>>> import lazyharvest as lh
+>>> def f(x):
+...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+>>> print(lh.grad(f)(2.))
+12.0
+>>> d = lh.reap(lh.grad(f), tag="t")(2.)
+>>> print(d["x3"], d["grad", "x3"], d.fn("grad", "x3")(3.))
+8.0 12.0 27.0"""),
+    "value_and_grad": dict(
+        summary="the value and gradient, and the gradient of each site.",
+        chosen="Choosing `\"value_and_grad\"` gives the derivative of the site's "
+               "slice with respect to `argnums` (not a pair; the value is the key "
+               "without the label). " + _DIFFERENTIAL_SEEN,
+        returns=": the function computing `(value, gradient)`",
+        example="""\
+>>> import lazyharvest as lh
+>>> def f(x):
+...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+>>> value, g = lh.value_and_grad(f)(2.)
+>>> print(value, g)
+9.0 12.0
+>>> d = lh.reap(lh.value_and_grad(f), tag="t")(2.)
+>>> print(d["x3"], d["value_and_grad", "x3"])
+8.0 12.0"""),
+    "jacfwd": dict(
+        summary="the forward-mode Jacobian, and the Jacobian of each site.",
+        chosen="Choosing `\"jacfwd\"` gives the Jacobian of the site's slice with "
+               "respect to `argnums`, in forward mode. " + _DIFFERENTIAL_SEEN,
+        returns=": the function computing the Jacobian of `fun`",
+        example="""\
+>>> import jax.numpy as jnp
+>>> import lazyharvest as lh
+>>> def f(x):
+...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+>>> d = lh.reap(lh.jacfwd(f), tag="t")(jnp.array([1., 2.]))
+>>> print(d["x3"])
+[1. 8.]
+>>> print(d["jacfwd", "x3"])
+[[ 3.  0.]
+ [ 0. 12.]]"""),
+    "jacrev": dict(
+        summary="the reverse-mode Jacobian, and the Jacobian of each site.",
+        chosen="Choosing `\"jacrev\"` gives the Jacobian of the site's slice with "
+               "respect to `argnums`, in reverse mode. " + _DIFFERENTIAL_SEEN,
+        returns=": the function computing the Jacobian of `fun`",
+        example="""\
+>>> import jax.numpy as jnp
+>>> import lazyharvest as lh
+>>> def f(x):
+...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+>>> d = lh.reap(lh.jacrev(f), tag="t")(jnp.ones(3))
+>>> print(d["jacrev", "x3"])
+[[3. 0. 0.]
+ [0. 3. 0.]
+ [0. 0. 3.]]"""),
+    "hessian": dict(
+        summary="the Hessian, and the Hessian of each site.",
+        chosen="Choosing `\"hessian\"` gives `jax.hessian` of the site's slice "
+               "with respect to `argnums`. " + _DIFFERENTIAL_SEEN,
+        returns=": the function computing the Hessian of `fun`",
+        example="""\
+>>> import lazyharvest as lh
+>>> def f(x):
+...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+>>> d = lh.reap(lh.hessian(f), tag="t")(2.)
+>>> print(d["x3"], d["hessian", "x3"])
+8.0 12.0"""),
+    "vmap": dict(
+        summary="batching that batches each site like the output.",
+        chosen="`\"vmap\"` is structural: keys with and without it are aliases of "
+               "one leaf, the batched site. It follows `in_axes` and `out_axes` (an "
+               "integer `out_axes` applies to every site; with a pytree `out_axes` "
+               "sites are batched along axis 0), and a site that does not depend on "
+               "the batched inputs is broadcast, so `reap(vmap(f)) = vmap(reap(f))` "
+               "(plain `jax.vmap` always puts a site's batch axis first).",
+        returns=": the batched function",
+        raises=" Collectives over `axis_name` inside `fun` are not supported while "
+               "a harvest is traced.",
+        example="""\
+>>> import jax.numpy as jnp
+>>> import lazyharvest as lh
+>>> def f(x):
+...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+>>> d = lh.reap(lh.vmap(f, in_axes=0, out_axes=-1), tag="t")(jnp.ones((3, 7)))
+>>> print(d["x3"].shape, d["vmap", "x3"].shape)
+(7, 3) (7, 3)"""),
+    "jit": dict(
+        summary="compiles `fun`; its sites are reaped as usual.",
+        chosen="`\"jit\"` is structural: keys with and without it are aliases of "
+               "one leaf, the site's value.",
+        returns=": the jitted function, with the attributes of `jax.jit`'s "
+                "(`lower`, `trace`, ...)",
+        example="""\
+>>> import jax.numpy as jnp
+>>> import lazyharvest as lh
+>>> def f(x):
+...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+>>> d = lh.reap(lh.jit(lh.vmap(lh.grad(f))), tag="t")(jnp.array([2., 3.]))
+>>> print(d["x3"], d["grad", "x3"], d["grad", "vmap", "jit", "x3"])
+[ 8. 27.] [12. 27.] [12. 27.]"""),
+    "jvp": dict(
+        summary="a Jacobian-vector product, and the tangent of each site.",
+        chosen="Choosing `\"jvp\"` gives the site's tangent for the call's "
+               "`tangents`; leaving it out gives the site's plain (primal) value.",
+        returns=": `(primals_out, tangents_out)`, and `aux` when `has_aux=True`",
+        example="""\
+>>> import lazyharvest as lh
+>>> def f(x):
+...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+>>> d = lh.reap(lambda x: lh.jvp(f, (x,), (1.,)), tag="t")(2.)
+>>> print(d["x3"], d["jvp", "x3"])
+8.0 12.0"""),
+    "linearize": dict(
+        summary="linearization, and the Jacobian of each site.",
+        chosen="Choosing `\"linearize\"` gives the Jacobian of the site with "
+               "respect to all the primals (the linear map, materialized); leaving "
+               "it out gives the site's plain (primal) value. The returned linear "
+               "function is JAX's, built for `fun` without its sites.",
+        returns=": `(primals_out, f_jvp)`, and `aux` when `has_aux=True`",
+        example="""\
+>>> import lazyharvest as lh
+>>> def f(x):
+...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+>>> d = lh.reap(lambda x: lh.linearize(f, x)[0], tag="t")(2.)
+>>> print(d["x3"], d["linearize", "x3"])
+8.0 12.0
+>>> out, f_jvp = lh.linearize(f, 2.)
+>>> print(out, f_jvp(1.))
+9.0 12.0"""),
+    "vjp": dict(
+        summary="a vector-Jacobian product, and the Jacobian of each site.",
+        chosen="Choosing `\"vjp\"` gives the Jacobian of the site with respect to "
+               "all the primals; leaving it out gives the site's plain (primal) "
+               "value. The returned backward function is JAX's, built for `fun` "
+               "without its sites.",
+        returns=": `(primals_out, f_vjp)`, and `aux` when `has_aux=True`",
+        example="""\
+>>> import lazyharvest as lh
+>>> def f(x):
+...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+>>> d = lh.reap(lambda x: lh.vjp(f, x)[0], tag="t")(2.)
+>>> print(d["x3"], d["vjp", "x3"])
+8.0 12.0
+>>> out, f_vjp = lh.vjp(f, 2.)
+>>> print(out, f_vjp(1.)[0])
+9.0 12.0"""),
+}
+
+
+def _doc(name: str, signature_of: Callable) -> str:
+    """The docstring of the recorded `name`; arguments from `signature_of`'s."""
+    doc = _DOCS[name]
+    params = list(inspect.signature(signature_of).parameters.values())
+    rest = ", ".join(f"`*{p.name}`" if p.kind is p.VAR_POSITIONAL else f"`{p.name}`"
+                     for p in params[1:])
+    arguments = ("- `fun`: the function to transform.\n"
+                 + textwrap.fill(f"- {rest}: as for `jax.{name}`.", width=76,
+                                 subsequent_indent="  "))
+    fill = functools.partial(textwrap.fill, width=76)
+    return _TEMPLATE.format(
+        name=name, summary=doc["summary"], intro=fill(_INTRO.format(name=name)),
+        chosen=fill(doc["chosen"].format(name=name)), arguments=arguments,
+        returns=fill(f"What `jax.{name}` returns{doc['returns']}."),
+        raises=fill(_RAISES.format(name=name) + doc.get("raises", "")),
+        example=doc["example"])
+
+
 def _function_transform(name: str, jax_fn: Callable):
     @functools.wraps(jax_fn)
     def transform(fun: Callable, *targs: Any, **tkwargs: Any) -> Callable:
@@ -40,8 +259,8 @@ def _function_transform(name: str, jax_fn: Callable):
                 return plain(*args, **kwargs)
             return record(name, fun, params, args, kwargs)
         return wrapped
-    transform.__doc__ = (f"`jax.{name}`, recorded: sites inside get the label "
-                         f"{name!r} on their path while a harvest is traced.")
+    transform.__doc__ = _doc(name, jax_fn)
+    transform.__module__ = __name__  # help() names lazyharvest, not JAX
     return transform
 
 
@@ -83,10 +302,13 @@ class _RecordedJit:
 
 
 def jit(fun: Callable | None = None, /, **kwargs: Any) -> Any:
-    """`jax.jit`, recorded: sites inside get the label "jit"."""
+    # docstring: _DOCS["jit"], set below
     if fun is None:
         return lambda f: jit(f, **kwargs)
     return _RecordedJit(fun, kwargs)
+
+
+jit.__doc__ = _doc("jit", jax.jit)
 
 
 def _bind_static(fun: Callable, kwargs: dict, args: tuple, fkwargs: dict):
@@ -111,7 +333,7 @@ def _bind_static(fun: Callable, kwargs: dict, args: tuple, fkwargs: dict):
 
 
 def jvp(fun: Callable, primals: Any, tangents: Any, has_aux: bool = False) -> Any:
-    """`jax.jvp`, recorded: sites inside get the label "jvp" (their tangent)."""
+    # docstring: _DOCS["jvp"], set at the end of the module
     if not _recording():
         return jax.jvp(fun, primals, tangents, has_aux=has_aux)
     return record("jvp", fun, {"has_aux": has_aux}, tuple(primals), {},
@@ -133,12 +355,9 @@ def _without_sites(fun: Callable, primals: tuple) -> Callable:
 
 
 def linearize(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
-    """`jax.linearize`, recorded: sites inside get the label "linearize".
-
-    The primal computation is recorded (a chosen "linearize" label gives the
-    site's Jacobian with respect to the primals, the linear map materialized);
-    the returned linear function is JAX's, of the function without sites.
-    """
+    # docstring: _DOCS["linearize"], set at the end of the module. The primal
+    # computation is recorded; the returned linear function is JAX's, of the
+    # function without sites.
     if not _recording():
         return jax.linearize(fun, *primals, has_aux=has_aux)  # type: ignore[call-overload]
     out = record("linearize", fun, {"has_aux": has_aux}, primals, {})
@@ -148,15 +367,17 @@ def linearize(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
 
 
 def vjp(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
-    """`jax.vjp`, recorded: sites inside get the label "vjp".
-
-    The primal computation is recorded (a chosen "vjp" label gives the site's
-    Jacobian with respect to the primals); the returned backward function is
-    JAX's, of the function without sites.
-    """
+    # docstring: _DOCS["vjp"], set at the end of the module. The primal
+    # computation is recorded; the returned backward function is JAX's, of the
+    # function without sites.
     if not _recording():
         return jax.vjp(fun, *primals, has_aux=has_aux)  # type: ignore[call-overload]
     out = record("vjp", fun, {"has_aux": has_aux}, primals, {})
     back = jax.vjp(_without_sites(fun, primals), *primals,  # type: ignore[call-overload]
                    has_aux=has_aux)
     return (out[0], back[1], out[1]) if has_aux else (out, back[1])
+
+
+jvp.__doc__ = _doc("jvp", jvp)
+linearize.__doc__ = _doc("linearize", linearize)
+vjp.__doc__ = _doc("vjp", vjp)
