@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -186,19 +187,78 @@ def trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -> Trace
 
 
 # --- the trace cache: weak in the user's function ---------------------------
+#
+# Keyed by the function's identity, held weakly: dropping the function frees
+# its traces and programs. A recorded-transform wrapper (`lh.grad(f)`, built
+# anew on every call of a training loop) is keyed by what it *is* — the
+# function it wraps plus its transform and parameters (`__lazyharvest_key__`)
+# — so rebuilding it retraces and recompiles nothing.
 
-_TRACES: weakref.WeakKeyDictionary[Any, collections.OrderedDict] = weakref.WeakKeyDictionary()
+
+class _Owner:
+    """The traces of one function, and a weak reference that drops them."""
+
+    def __init__(self, ref: Any):
+        self.ref = ref
+        self.traces: collections.OrderedDict = collections.OrderedDict()
+
+
+_TRACES: dict[int, _Owner] = {}
 _TRACES_LOCK = threading.Lock()
+_WARNED: set = set()
+
+
+def _owner_of(f: Callable) -> tuple[Any, Any]:
+    """(the object the cache is kept for, the key of `f` relative to it)."""
+    key = getattr(f, "__lazyharvest_key__", None)
+    if key is not None:
+        return f.__lazyharvest_base__, key  # type: ignore[attr-defined]
+    return f, None
+
+
+def _traces_for(base: Any) -> collections.OrderedDict | None:
+    owner = _TRACES.get(id(base))
+    if owner is not None and owner.ref() is base:
+        return owner.traces
+    try:
+        ref = weakref.ref(base, lambda r, i=id(base): _forget(i, r))
+    except TypeError:
+        return None
+    owner = _Owner(ref)
+    _TRACES[id(base)] = owner
+    return owner.traces
+
+
+def _forget(i: int, ref: Any) -> None:
+    with _TRACES_LOCK:
+        owner = _TRACES.get(i)
+        if owner is not None and owner.ref is ref:
+            del _TRACES[i]
+
+
+def _warn_uncached(f: Callable) -> None:
+    name = type(f).__name__
+    if name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(
+            f"lazyharvest cannot cache traces of a {name} (it cannot be weakly "
+            f"referenced): every call retraces and recompiles. Wrap it in a "
+            f"function defined once (def g(*a): return f(*a)).", stacklevel=4)
 
 
 def cached_trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -> Traced:
-    key = (harvest, in_tree, in_avals, active_tags(), current_scopes(),
+    """The trace of `f` for these arguments, from the cache when possible."""
+    base, fkey = _owner_of(f)
+    key = (fkey, harvest, in_tree, in_avals, active_tags(), current_scopes(),
            _jax.trace_context())
-    try:
-        with _TRACES_LOCK:
-            per_fn = _TRACES.setdefault(f, collections.OrderedDict())
-            hit = per_fn.get(key)
-    except TypeError:  # not weakly referenceable, or unhashable key parts
+    with _TRACES_LOCK:
+        per_fn = _traces_for(base)
+        try:
+            hit = per_fn.get(key) if per_fn is not None else None
+        except TypeError:  # unhashable key parts (a static argument)
+            per_fn = hit = None
+    if per_fn is None:
+        _warn_uncached(f)
         return trace(f, harvest, in_tree, in_avals)
     if hit is not None:
         return hit

@@ -258,10 +258,29 @@ def _function_transform(name: str, jax_fn: Callable):
             if not _recording():
                 return plain(*args, **kwargs)
             return record(name, fun, params, args, kwargs)
+        _identify(wrapped, name, params, fun)
         return wrapped
     transform.__doc__ = _doc(name, jax_fn)
     transform.__module__ = __name__  # help() names lazyharvest, not JAX
     return transform
+
+
+def _identify(wrapper: Any, name: str, params: dict, fun: Callable) -> None:
+    """Says what `wrapper` is, so traces cached for an equal wrapper are reused.
+
+    The key is (transform, its parameters, the key of what it wraps), relative
+    to the innermost function, which the trace cache holds weakly. Parameters
+    that are not hashable leave the wrapper keyed by its own identity.
+    """
+    leaves, tree = jax.tree_util.tree_flatten(params)
+    try:
+        hash((tree, *leaves))
+    except TypeError:
+        return
+    inner = getattr(fun, "__lazyharvest_key__", None)
+    wrapper.__lazyharvest_key__ = (name, tree, tuple(leaves), inner)
+    wrapper.__lazyharvest_base__ = (fun if inner is None
+                                    else fun.__lazyharvest_base__)  # type: ignore[attr-defined]
 
 
 def _bind_signature(jax_fn: Callable, fun: Callable, targs: tuple, tkwargs: dict) -> dict:
@@ -290,6 +309,7 @@ class _RecordedJit:
         self._fun = fun
         self._kwargs = kwargs
         self._jitted = jax.jit(fun, **kwargs)
+        _identify(self, "jit", kwargs, fun)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not _recording():
