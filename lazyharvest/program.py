@@ -220,8 +220,9 @@ def _traces_for(base: Any) -> collections.OrderedDict | None:
     owner = _TRACES.get(id(base))
     if owner is not None and owner.ref() is base:
         return owner.traces
+    key = id(base)
     try:
-        ref = weakref.ref(base, lambda r, i=id(base): _forget(i, r))
+        ref = weakref.ref(base, lambda r: _forget(key, r))
     except TypeError:
         return None
     owner = _Owner(ref)
