@@ -61,20 +61,32 @@ def display(key: Key) -> Any:
     return key[0] if len(key) == 1 else key
 
 
+MAX_OPTIONAL_LABELS = 8
+"""Past this many structural labels on one path, a leaf's aliases are only
+its canonical key and the key that writes every label (not all 2**n)."""
+
+
+def _options(x: Any, spelled: bool, structural_optional: bool | None) -> list[tuple]:
+    """The ways one path entry may be written: `structural_optional` None
+    leaves a structural label out, True allows both, False requires it."""
+    if not isinstance(x, Label):
+        return [(x,)] if spelled or x != PRIMAL else [()]
+    if spelled:
+        return [(x.spelled(),)]
+    if x.structural:
+        return {None: [()], True: [(x.name,), ()], False: [(x.name,)]}[structural_optional]
+    return [(x.name,)] if x.chosen else [()]
+
+
 def _alternatives(path: tuple, spelled: bool) -> list[tuple]:
-    options: list[list[tuple]] = []
-    for x in path:
-        if isinstance(x, Label):
-            if spelled:
-                options.append([(x.spelled(),)])
-            elif x.structural:
-                options.append([(x.name,), ()])
-            else:
-                options.append([(x.name,)] if x.chosen else [()])
-        else:
-            options.append([(x,)] if spelled or x != PRIMAL else [()])
-    return [tuple(p for part in combo for p in part)
-            for combo in itertools.product(*options)]
+    n_structural = sum(isinstance(x, Label) and x.structural for x in path)
+    modes: list = [True] if n_structural <= MAX_OPTIONAL_LABELS else [False, None]
+    out = []
+    for mode in modes:
+        options = [_options(x, spelled, mode) for x in path]
+        out += [tuple(p for part in combo for p in part)
+                for combo in itertools.product(*options)]
+    return list(dict.fromkeys(out))
 
 
 def assign(raw_keys: Iterable[tuple]) -> dict[tuple, list[Key]]:

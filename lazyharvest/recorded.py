@@ -357,8 +357,12 @@ def _record_leaves(run: Run, t: Transform, jaxpr: _jax.Jaxpr, invals: list,
             primal = t.site_value(leaf_fn, invals, False, extra, extra_axes)
             values = [t.site_placeholder(primal[i], invals) for i in idx]
         else:
-            values = t.site_value(lambda *f: tuple(leaf_fn(*f)[i] for i in idx),
-                                  invals, chosen, extra, extra_axes)
+            pick = lambda *f, idx=idx: _pick(leaf_fn(*f), idx)  # one evaluation
+            values = t.site_value(pick, invals, chosen, extra, extra_axes)
         for ok, value in zip(group, values):
             leaves, tree = jax.tree_util.tree_flatten(value)
             run.record(ok, modes[wanted[ok][0]], tree, leaves)
+
+
+def _pick(values: tuple, idx: list) -> tuple:
+    return tuple(values[i] for i in idx)
