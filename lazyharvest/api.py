@@ -28,15 +28,22 @@ def _run(f: Callable, h: Harvest, plants: Any, args: tuple, kwargs: dict,
     spec, plant_leaves = NO_PLANTS, list[Any]()
     if plants is not None:
         spec, plant_leaves = resolve_plants(traced, plants)
-    out = None
-    if with_out:
-        prog = traced.program([], with_out=True, plants=spec)
-        out = jax.tree_util.tree_unflatten(traced.out_tree,
-                                           prog(*flat, *plant_leaves))
+    if not with_out:
+        return DelayedDict.from_trace(traced, flat, spec, plant_leaves)
+    # Inside a trace (a training step under jax.jit), the output's program
+    # also returns every leaf it computes anyway (values, tangents,
+    # cotangents): the forward pass runs once, and what is never read is
+    # dead code for the enclosing jit. Eagerly, leaves stay lazy (memory).
+    staged = with_dict and (_jax.any_tracer(flat) or _jax.any_tracer(plant_leaves))
+    keys = traced.direct_keys(spec) if staged else []
+    outs = traced.program(keys, with_out=True, plants=spec)(*flat, *plant_leaves)
+    n_out = traced.out_tree.num_leaves
+    out = jax.tree_util.tree_unflatten(traced.out_tree, outs[:n_out])
     if not with_dict:
         return out
-    d = DelayedDict.from_trace(traced, flat, spec, plant_leaves)
-    return (out, d) if with_out else d
+    d = DelayedDict.from_trace(traced, flat, spec, plant_leaves,
+                               computed=(keys, outs[n_out:]))
+    return out, d
 
 
 def reap(f: Callable, *, tag: Hashable, allowlist: Iterable[str] | None = None,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -109,15 +109,22 @@ class DelayedDict(Mapping):
 
     @classmethod
     def from_trace(cls, traced: Traced, args: list, plants: PlantSpec = NO_PLANTS,
-                   plant_leaves: list | tuple = ()) -> DelayedDict:
+                   plant_leaves: list | tuple = (),
+                   computed: tuple[list, Sequence[Any]] = ([], ())) -> DelayedDict:
         """The DelayedDict of one call.
 
         **Arguments:**
         - traced: the abstract trace of the harvested function.
         - args: the call's flat array arguments.
         - plants, plant_leaves: which sites the call plants, and the planted leaves.
+        - computed: (raw keys, their flat leaves) already computed by the call.
         """
-        return cls(_Store(traced, list(args), plants, list(plant_leaves)))
+        store = _Store(traced, list(args), plants, list(plant_leaves))
+        keys, leaves = computed
+        *chunks, _ = split_list(leaves, [len(traced.sites[k].avals) for k in keys])
+        for k, ls in zip(keys, chunks):
+            store.values[k] = jax.tree_util.tree_unflatten(traced.sites[k].tree, ls)
+        return cls(store)
 
     # -- Mapping --------------------------------------------------------------
 

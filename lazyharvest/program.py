@@ -117,6 +117,12 @@ class Traced:
             self.indexes[plants] = index
         return index
 
+    def direct_keys(self, plants: PlantSpec = NO_PLANTS) -> list[RawKey]:
+        """Sites whose leaves the program itself computes (no recorded
+        transform applied to a slice): free to return with its output."""
+        return [k for k in self.sites if k not in plants.keys
+                and not any(isinstance(x, Label) for x in k[0])]
+
     def program(self, raw_keys: Sequence[RawKey], with_out: bool,
                 plants: PlantSpec = NO_PLANTS) -> Program:
         cache_key = (tuple(raw_keys), with_out, plants)
