@@ -181,8 +181,32 @@ def consts_as_invars(jaxpr: Jaxpr) -> Jaxpr:
     return _pe.convert_constvars_jaxpr(jaxpr)
 
 
-def dce(jaxpr: Jaxpr, used_outputs: Sequence[bool]) -> tuple[Jaxpr, list[bool]]:
-    return pe.dce_jaxpr(jaxpr, list(used_outputs), instantiate=True)
+def dce(jaxpr: Jaxpr, used_outputs: Sequence[bool],
+        instantiate: bool | Sequence[bool] = True) -> tuple[Jaxpr, list[bool]]:
+    """JAX's DCE: (the jaxpr computing `used_outputs`, which inputs it uses)."""
+    if not isinstance(instantiate, bool):
+        instantiate = list(instantiate)
+    return pe.dce_jaxpr(jaxpr, list(used_outputs), instantiate=instantiate)
+
+
+def extra_dce_rules(rules: dict):
+    """DCE rules in force only inside this block (for primitives JAX has none for)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def installed():
+        table = pe.dce_rules
+        saved = {p: table[p] for p in rules if p in table}
+        table.update(rules)
+        try:
+            yield
+        finally:
+            for p in rules:
+                if p in saved:
+                    table[p] = saved[p]
+                else:
+                    table.pop(p, None)
+    return installed()
 
 
 def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], *args: Any) -> list[Any]:

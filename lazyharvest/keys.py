@@ -74,7 +74,9 @@ def _options(x: Any, spelled: bool, structural_optional: bool | None) -> list[tu
     if spelled:
         return [(x.spelled(),)]
     if x.structural:
-        return {None: [()], True: [(x.name,), ()], False: [(x.name,)]}[structural_optional]
+        if structural_optional is None:
+            return [()]
+        return [(x.name,), ()] if structural_optional else [(x.name,)]
     return [(x.name,)] if x.chosen else [()]
 
 

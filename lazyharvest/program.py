@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lazyharvest import _jax
+from lazyharvest import _jax, slicing
 from lazyharvest import keys as keys_mod
 from lazyharvest._interpreter import Harvest, Plant, RawKey, Run, split_list, sub_jaxprs
 from lazyharvest.errors import HarvestError, closest
@@ -152,8 +152,7 @@ class Traced:
             return [*outs, *site] if with_out else site
 
         jaxpr, consts = _jax.trace_flat(fn, [*self.in_avals, *plants.avals])
-        jaxpr, _ = _jax.dce(jaxpr, [True] * len(jaxpr.outvars))
-        return Program(jaxpr, consts)
+        return Program(slicing.dce(jaxpr, [True] * len(jaxpr.outvars)), consts)
 
 
 def _site_names(jaxpr: _jax.Jaxpr, tag: Any, names: set, tags: set) -> tuple[set, set]:
