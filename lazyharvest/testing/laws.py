@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import lazyharvest as lh
 from lazyharvest.keys import Key, display, normalize
 from lazyharvest.testing._compare import (
-    ATOL, RTOL, compare, compare_dicts, guard, missing, same_keys)
+    ATOL, RTOL, compare, compare_dicts, guard, missing, only_on_left, same_keys)
 from lazyharvest.testing._sites import (
     Evidence, default_keys, flat, get_nested, reaped, split_labels)
 from lazyharvest.testing._values import (
@@ -86,19 +86,14 @@ def check_linearize(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     got = guard(law, left)
     want = guard(law, right)
     got_t, got_v = (dict(got), {}) if strict_keys else _split_linear(got)
-    extra = [display(k) for k in got_t if k not in want]
-    if extra:
-        raise AssertionError(f"{law}: keys only on the left: {extra} (max error: n/a)")
-    ev = Evidence(f, args, tag)
-    missing(law, [k for k in want if k not in got_t], ev.dead, "constant or dead sites",
-             strict_keys)
+    only_on_left(law, [display(k) for k in got_t if k not in want])
+    missing(law, [k for k in want if k not in got_t], Evidence(f, args, tag).dead,
+            "constant or dead sites", strict_keys)
     for k in got_t:
         compare(law, k, got_t[k], want[k], rtol, atol)
     if got_v:
         values = guard(law, lambda: reaped(f, tag, args))
-        extra = [display(k) for k in got_v if k not in values]
-        if extra:
-            raise AssertionError(f"{law}: keys only on the left: {extra} (max error: n/a)")
+        only_on_left(law, [display(k) for k in got_v if k not in values])
         for k, v in got_v.items():
             compare(_law(1, "values in the linear function"), k, v, values[k], rtol, atol)
 
@@ -125,12 +120,10 @@ def check_jvp(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     primals, tans = guard(law, lambda: jax.jvp(lambda *a: reaped(f, tag, a), tuple(args), t))
     want = dict(primals)
     want.update({_tangent_key(k): v for k, v in tans.items()})
-    extra = [display(k) for k in got if k not in want]
-    if extra:
-        raise AssertionError(f"{law}: keys only on the left: {extra} (max error: n/a)")
+    only_on_left(law, [display(k) for k in got if k not in want])
     missing(law, [k for k in primals if k not in got], lambda k: False, "", True)
     missing(law, [k for k in want if k not in got], lambda k: all_zero(want[k]),
-             "zero tangents (constant sites)", strict_keys)
+            "zero tangents (constant sites)", strict_keys)
     for k in got:
         compare(law, k, got[k], want[k], rtol, atol)
 
@@ -150,10 +143,10 @@ def check_vmap(f: Callable, *args: Any, tag: Hashable, in_axes: Any = 0,
     site_axes = out_axes if isinstance(out_axes, int) else 0
     batched = vmap(f, in_axes=in_axes, out_axes=out_axes)
     want = guard(law, lambda: jax.vmap(lambda *a: reaped(f, tag, a), in_axes=in_axes,
-                                        out_axes=site_axes)(*args))
+                                       out_axes=site_axes)(*args))
     out, d = guard(law, lambda: lh.call_and_reap(batched, tag=tag)(*args))
     compare(law, None, out, jax.vmap(f, in_axes=in_axes, out_axes=out_axes)(*args),
-             rtol, atol)
+            rtol, atol)
     for k, v in want.items():
         compare(law, k, guard(law, lambda: d[k]), v, rtol, atol)
         vk = ("vmap", *k)
@@ -173,11 +166,30 @@ def check_jit(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     want = guard(law, lambda: reaped(f, tag, args))
     d = guard(law, lambda: lh.reap(jit(f), tag=tag)(*args))
     same_keys(_law(4, "reap(jit(f))"),
-               [k for k in map(normalize, d.keys()) if not split_labels(k)[0]], want)
+              [k for k in map(normalize, d.keys()) if not split_labels(k)[0]], want)
     for k, v in want.items():
         compare(_law(4, "reap(jit(f))"), k, guard(law, lambda: d[k]), v, rtol, atol)
     staged = guard(law, lambda: jax.jit(lambda *a: reaped(f, tag, a))(*args))
     compare_dicts(_law(4, "jit(reap(f))"), staged, want, rtol, atol)
+
+
+def _plant_gradient(f: Callable, args: Sequence[Any], tag: Hashable, key: Key, value: Any,
+                    ct_out: Any) -> Any:
+    """``grad_p <ct_out, plant(f)({key: p}, *args)>`` at ``p = value``."""
+    planted = lambda p: lh.plant(f, tag=tag)({key: p}, *args)  # noqa: E731
+    return jax.vjp(planted, value)[1](ct_out)[0]
+
+
+def _vjp_of_call_and_reap(f: Callable, args: Sequence[Any], tag: Hashable, ct_out: Any,
+                          ct_sites: Mapping[Key, Any]) -> Any:
+    """The VJP of ``x -> (f(x), reap(f)(x))`` fed ``ct_out`` and ``ct_sites``
+    (zeros for the other sites)."""
+    def out_and_sites(*a: Any) -> Any:
+        o, d = lh.call_and_reap(f, tag=tag)(*a)
+        return o, flat(d)
+    (_, sites), full_vjp = jax.vjp(out_and_sites, *args)
+    cts = {k: ct_sites.get(k, zeros_like_tree(v)) for k, v in sites.items()}
+    return full_vjp((ct_out, cts))
 
 
 def check_vjp(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
@@ -211,34 +223,20 @@ def check_vjp(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     # (b)
     bwd = guard(law_b, lambda: jax.vjp(f, *args)[1])
     got_b = guard(law_b, lambda: reaped(bwd, tag, (ct_out,)))
-    extra = [display(k) for k in got_b if k not in values]
-    if extra:
-        raise AssertionError(f"{law_b}: keys only on the left: {extra} (max error: n/a)")
-    ev = Evidence(f, args, tag)
-    missing(law_b, [k for k in values if k not in got_b], ev.dead, "constant or dead sites",
-             strict_keys)
+    only_on_left(law_b, [display(k) for k in got_b if k not in values])
+    missing(law_b, [k for k in values if k not in got_b], Evidence(f, args, tag).dead,
+            "constant or dead sites", strict_keys)
     if keys is None:
         keys = default_keys(f, args, tag, values, lambda i: i.once)
     for k in map(normalize, keys):
-        def grad_plant(k: Key = k) -> Any:
-            planted = lambda p: lh.plant(f, tag=tag)({k: p}, *args)  # noqa: E731
-            return jax.vjp(planted, values[k])[1](ct_out)[0]
         if k in got_b:  # a missing key was excused above
-            compare(law_b, k, got_b[k], guard(law_b, grad_plant), rtol, atol)
+            want_k = guard(law_b, lambda k=k: _plant_gradient(f, args, tag, k, values[k], ct_out))
+            compare(law_b, k, got_b[k], want_k, rtol, atol)
 
     # (a)
     plant_keys = list(got_b) if plant_keys is None else [normalize(k) for k in plant_keys]
     ct_sites = {k: random_like(values[k], 50 + i) for i, k in enumerate(plant_keys)}
-
-    def left_a() -> Any:
-        def out_and_sites(*a: Any) -> Any:
-            o, d = lh.call_and_reap(f, tag=tag)(*a)
-            return o, flat(d)
-        (_, sites), full_vjp = jax.vjp(out_and_sites, *args)
-        cts = {k: ct_sites.get(k, zeros_like_tree(v)) for k, v in sites.items()}
-        return full_vjp((ct_out, cts))
-
-    got = guard(law_a, left_a)
+    got = guard(law_a, lambda: _vjp_of_call_and_reap(f, args, tag, ct_out, ct_sites))
     want = guard(law_a, lambda: lh.plant(bwd, tag=tag)(ct_sites, ct_out))
     compare(law_a, None, got, want, rtol, atol)
 
@@ -257,7 +255,7 @@ def check_roundtrip(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     values = guard(law, lambda: reaped(f, tag, args))
     if keys is None:
         keys = default_keys(f, args, tag, values,
-                             lambda i: not (i.mode == "clobber" and i.count > 1))
+                            lambda i: not (i.mode == "clobber" and i.count > 1))
         keys = [k for k in keys if "vjp" not in split_labels(k)[0]]
     keys = [normalize(k) for k in keys]
     want = guard(law, lambda: f(*args))
@@ -268,7 +266,7 @@ def check_roundtrip(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     compare(_law(6, "harvest output"), None, out, want, rtol, atol)
     rest = {k: v for k, v in values.items() if k not in half}
     compare_dicts(_law(6, "harvest reaps the unplanted sites"),
-                   guard(law, lambda: flat(d)), rest, rtol, atol)
+                  guard(law, lambda: flat(d)), rest, rtol, atol)
 
 
 def check_compute(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
@@ -290,7 +288,7 @@ def check_compute(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
         nested = guard(law, lambda: d.compute(*map(display, some)))
         for k in some:
             compare(_law(8, "compute(k1, k2)"), k, get_nested(nested, k), by_one[k],
-                     rtol, atol)
+                    rtol, atol)
     prefixes = {k[:i] for k in keys for i in range(1, len(k))}
     for pre in sorted(prefixes, key=len)[:4]:
         d = guard(law, lambda: lh.reap(f, tag=tag)(*args))
@@ -299,7 +297,7 @@ def check_compute(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
         for k in keys:
             if k[:len(pre)] == pre:
                 compare(_law(8, f"sub-view {pre!r}"), k, get_nested(nested, k[len(pre):]),
-                         by_one[k], rtol, atol)
+                        by_one[k], rtol, atol)
     d = lh.reap(f, tag=tag)(*args)
     for k in keys[:3]:
         compare(_law(8, "thunk"), k, guard(law, lambda: d.thunk(*k)()), by_one[k], rtol, atol)
@@ -342,6 +340,99 @@ def check_nest(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
 
 # --- law 7 --------------------------------------------------------------------
 
+class _Law7:
+    """The parts of law 7 for one function, its inputs and its slices."""
+
+    def __init__(self, f: Callable, args: tuple, tag: Hashable, slices: Mapping[Key, Callable],
+                 rtol: float, atol: float, strict_keys: bool):
+        self.f, self.args, self.tag, self.slices = f, args, tag, slices
+        self.rtol, self.atol, self.strict_keys = rtol, atol, strict_keys
+
+    def reap(self, f: Callable, *args: Any) -> Any:
+        return lh.reap(f, tag=self.tag)(*args)
+
+    def leaves(self, law: str, d: Any, keys: Mapping[Key, Key], expected: Mapping[Key, Any],
+               excuse: Callable[[Key], bool] = lambda k: False, what: str = "") -> None:
+        """``d[keys[k]] == expected[k]`` one leaf at a time (the lazy path); a
+        key absent from ``d`` must be excused by ``excuse``."""
+        present = {normalize(k) for k in d.keys()}
+        missing(law, [k for k, dk in keys.items() if dk not in present], excuse, what,
+                self.strict_keys)
+        for k, dk in keys.items():
+            if dk in present:
+                compare(law, dk, guard(law, lambda: d[dk]), expected[k], self.rtol, self.atol)
+
+    def under_stack(self, stack: Stack) -> None:
+        law = _law(7, f"recorded transforms {stack}")
+        d = guard(law, lambda: self.reap(stack.apply(self.f), *self.args))
+        for mask, labels in stack.key_labels():
+            for k, s in self.slices.items():
+                value = guard(law, lambda s=s: stack.expected(s, mask)(*self.args))
+                key = (*labels, *k)
+                compare(law, key, guard(law, lambda: d[key]), value, self.rtol, self.atol)
+
+    def plain(self) -> dict[Key, Any]:
+        """Checks the plain keys; returns the slices' values."""
+        want = {k: guard(_law(7, "slice"), lambda s=s: s(*self.args))
+                for k, s in self.slices.items()}
+        law = _law(7, "plain keys")
+        d = guard(law, lambda: self.reap(self.f, *self.args))
+        same_keys(law, map(normalize, d.keys()), want)
+        for k in want:
+            compare(law, k, guard(law, lambda: d[k]), want[k], self.rtol, self.atol)
+        return want
+
+    def tangent_keys(self, want: Mapping[Key, Any], t: Any) -> dict[Key, Any]:
+        """Checks the keys under ``jax.jvp``; returns the slices' tangents."""
+        law = _law(7, "jvp keys")
+        tan = {k: guard(law, lambda s=s: jax.jvp(s, tuple(self.args), t)[1])
+               for k, s in self.slices.items()}
+        d = guard(law, lambda: self.reap(lambda *a: jax.jvp(self.f, a, t), *self.args))
+        self.leaves(law, d, {k: k for k in self.slices}, want)
+        self.leaves(law, d, {k: ("jvp", *k) for k in self.slices}, tan,
+                    lambda k: all_zero(tan[k]), "constant sites")
+        return tan
+
+    def cotangent_keys(self, want: Mapping[Key, Any], perturb: Callable, ct: Any,
+                       constant: Callable[[Key], bool]) -> dict[Key, Any]:
+        """Checks the keys under ``jax.vjp``; returns the perturbations' cotangents."""
+        law = _law(7, "vjp keys")
+        eps0 = {k: zeros_like_tree(v) for k, v in want.items()}
+        ct_sites = guard(law, lambda: jax.vjp(lambda e: perturb(e, *self.args), eps0)[1](ct)[0])
+        d = guard(law, lambda: self.reap(lambda *a: jax.vjp(self.f, *a)[1](ct), *self.args))
+        self.leaves(_law(7, "values under reverse mode"), d, {k: k for k in self.slices}, want)
+        self.leaves(law, d, {k: ("vjp", *k) for k in self.slices}, ct_sites, constant,
+                    "constant sites")
+        return ct_sites
+
+    def backward_function(self, ct: Any, ct_sites: Mapping[Key, Any],
+                          constant: Callable[[Key], bool]) -> None:
+        law = _law(7, "reaped backward function")
+        _, bwd = jax.vjp(self.f, *self.args)
+        db = guard(law, lambda: self.reap(bwd, ct))
+        self.leaves(law, db, {k: k for k in self.slices}, ct_sites,
+                    lambda k: constant(k) or all_zero(ct_sites[k]), "constant or dead sites")
+
+    def linear_function(self, want: Mapping[Key, Any], t: Any, tan: Mapping[Key, Any],
+                        ct_sites: Mapping[Key, Any] | None) -> None:
+        law = _law(7, "reaped linear function")
+        _, lin = jax.linearize(self.f, *self.args)
+        dl = guard(law, lambda: self.reap(lin, *t))
+        if ct_sites is not None:
+            dead = lambda k: all_zero(tan[k]) or all_zero(ct_sites[k])  # noqa: E731
+        else:
+            ev = Evidence(self.f, self.args, self.tag)
+            dead = lambda k: all_zero(tan[k]) or ev.dead(k)  # noqa: E731
+        what = "constant or dead sites"
+        _, got_v = _split_linear({normalize(k): None for k in dl.keys()})
+        if got_v and not self.strict_keys:  # a while_loop: jax.jvp's keys (law 1)
+            self.leaves(law, dl, {k: k for k in got_v}, want)
+            self.leaves(law, dl, {k: ("jvp", *k) for k in self.slices}, tan, dead, what)
+            return
+        self.leaves(law, dl, {k: k for k in self.slices}, tan, dead, what)
+        only_on_left(law, [k for k in map(normalize, dl.keys()) if k not in self.slices])
+
+
 def check_lazy(f: Callable, *args: Any, tag: Hashable, slices: Mapping[Any, Callable],
                perturb: Callable | None = None, stack: Stack | None = None,
                forward: bool = True, linear: bool = True, rtol: float = RTOL,
@@ -373,81 +464,26 @@ def check_lazy(f: Callable, *args: Any, tag: Hashable, slices: Mapping[Any, Call
     or, for the linear/backward functions, a dead one (zero cotangent), as
     docs/laws.md narrows SPEC; ``strict_keys=True`` requires every key.
     """
-    slices = {normalize(k): s for k, s in slices.items()}
-    if stack is not None:
-        law = _law(7, f"recorded transforms {stack}")
-        d = guard(law, lambda: lh.reap(stack.apply(f), tag=tag)(*args))
-        for mask, labels in stack.key_labels():
-            for k, s in slices.items():
-                value = guard(law, lambda s=s: stack.expected(s, mask)(*args))
-                key = (*labels, *k)
-                compare(law, key, guard(law, lambda: d[key]), value, rtol, atol)
-        return
-
-    want = {k: guard(_law(7, "slice"), lambda s=s: s(*args)) for k, s in slices.items()}
-    law = _law(7, "plain keys")
-    d = guard(law, lambda: lh.reap(f, tag=tag)(*args))
-    same_keys(law, map(normalize, d.keys()), want)
-    for k in want:  # one leaf at a time: the lazy path
-        compare(law, k, guard(law, lambda: d[k]), want[k], rtol, atol)
-
-    def leaves(law: str, d: Any, keys: Mapping[Key, Key], expected: Mapping[Key, Any],
-               excuse: Callable[[Key], bool], what: str) -> None:
-        present = {normalize(k) for k in d.keys()}
-        missing(law, [k for k, dk in keys.items() if dk not in present], excuse, what,
+    law7 = _Law7(f, args, tag, {normalize(k): s for k, s in slices.items()}, rtol, atol,
                  strict_keys)
-        for k, dk in keys.items():
-            if dk in present:
-                compare(law, dk, guard(law, lambda: d[dk]), expected[k], rtol, atol)
-
+    if stack is not None:
+        law7.under_stack(stack)
+        return
+    want = law7.plain()
+    t: Any = None
     tan: dict = {}
     if forward:
-        law = _law(7, "jvp keys")
         t = random_like(args, 7) if tangents is None else tangents
-        tan = {k: guard(law, lambda s=s: jax.jvp(s, tuple(args), t)[1])
-               for k, s in slices.items()}
-        d = guard(law, lambda: lh.reap(lambda *a: jax.jvp(f, a, t), tag=tag)(*args))
-        leaves(law, d, {k: k for k in slices}, want, lambda k: False, "")
-        leaves(law, d, {k: ("jvp", *k) for k in slices}, tan,
-               lambda k: all_zero(tan[k]), "constant sites")
-
-    ct_sites: dict = {}
+        tan = law7.tangent_keys(want, t)
+    ct_sites = None
     if perturb is not None:
-        law = _law(7, "vjp keys")
         ct = random_like(jax.eval_shape(f, *args), 8) if cotangent is None else cotangent
-        eps0 = {k: zeros_like_tree(v) for k, v in want.items()}
-        ct_sites = guard(law, lambda: jax.vjp(lambda e: perturb(e, *args), eps0)[1](ct)[0])
-        d = guard(law, lambda: lh.reap(lambda *a: jax.vjp(f, *a)[1](ct), tag=tag)(*args))
         constant = (lambda k: all_zero(tan[k])) if forward else (lambda k: True)
-        leaves(_law(7, "values under reverse mode"), d, {k: k for k in slices}, want,
-               lambda k: False, "")
-        leaves(law, d, {k: ("vjp", *k) for k in slices}, ct_sites, constant, "constant sites")
+        ct_sites = law7.cotangent_keys(want, perturb, ct, constant)
         if linear:
-            law = _law(7, "reaped backward function")
-            _, bwd = jax.vjp(f, *args)
-            db = guard(law, lambda: lh.reap(bwd, tag=tag)(ct))
-            leaves(law, db, {k: k for k in slices}, ct_sites,
-                   lambda k: constant(k) or all_zero(ct_sites[k]), "constant or dead sites")
-
+            law7.backward_function(ct, ct_sites, constant)
     if forward and linear:
-        law = _law(7, "reaped linear function")
-        _, lin = jax.linearize(f, *args)
-        dl = guard(law, lambda: lh.reap(lin, tag=tag)(*t))
-        if perturb is not None:
-            dead = lambda k: all_zero(tan[k]) or all_zero(ct_sites[k])  # noqa: E731
-        else:
-            ev = Evidence(f, args, tag)
-            dead = lambda k: all_zero(tan[k]) or ev.dead(k)  # noqa: E731
-        _, got_v = _split_linear({normalize(k): None for k in dl.keys()})
-        if got_v and not strict_keys:  # a while_loop: jax.jvp's keys (law 1)
-            leaves(law, dl, {k: k for k in got_v}, want, lambda k: False, "")
-            leaves(law, dl, {k: ("jvp", *k) for k in slices}, tan, dead,
-                   "constant or dead sites")
-            return
-        leaves(law, dl, {k: k for k in slices}, tan, dead, "constant or dead sites")
-        extra = [k for k in map(normalize, dl.keys()) if k not in slices]
-        if extra:
-            raise AssertionError(f"{law}: keys only on the left: {extra} (max error: n/a)")
+        law7.linear_function(want, t, tan, ct_sites)
 
 
 # --- everything ----------------------------------------------------------------
@@ -481,6 +517,55 @@ def _batched(args: Sequence[Any], in_axes: int) -> tuple:
     return tuple(jax.tree_util.tree_map(one, a) for a in args)
 
 
+def _what_applies(f: Callable, args: Sequence[Any],
+                  tag: Hashable) -> tuple[bool, str | None, str | None]:
+    """(whether f's keys carry labels, why forward mode does not apply, why
+    reverse mode does not); a reason is None where the mode applies."""
+    try:
+        keys = list(reaped(f, tag, args))
+        out_shape = jax.eval_shape(f, *args)
+    except Exception as e:  # noqa: BLE001
+        raise AssertionError(f"check_all: reaping f failed: {type(e).__name__}: {e}") from e
+    labelled = any(split_labels(k)[0] for k in keys)
+    if not (float_leaves(args) and float_leaves(out_shape)):
+        why = "needs floating inputs and outputs"
+        return labelled, why, why
+    try:
+        ct = random_like(out_shape, 0)
+        jax.eval_shape(lambda *a: jax.vjp(f, *a)[1](ct), *args)
+    except Exception as e:  # noqa: BLE001
+        return labelled, None, f"f is not reverse-differentiable ({type(e).__name__})"
+    return labelled, None, None
+
+
+class _Runner:
+    """Runs the chosen laws one by one, so that every failure is reported."""
+
+    def __init__(self, laws: Iterable[int]):
+        self.laws = set(laws)
+        self.results: dict[int, str] = {}
+        self.failures: list[str] = []
+
+    def __call__(self, n: int, thunk: Callable[[], Any], skip: str | None = None) -> None:
+        if n not in self.laws:
+            return
+        if skip:
+            self.results[n] = f"skipped: {skip}"
+            return
+        try:
+            thunk()
+        except AssertionError as e:
+            self.failures.append(str(e))
+            self.results[n] = "failed"
+        else:
+            self.results[n] = "passed"
+
+    def report(self) -> LawReport:
+        if self.failures:
+            raise AssertionError("\n\n".join(self.failures))
+        return LawReport(self.results)
+
+
 def check_all(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL, atol: float = ATOL,
               slices: Mapping[Any, Callable] | None = None, perturb: Callable | None = None,
               vmap_axes: Sequence[tuple[Any, Any]] = ((0, 0), (0, -1)),
@@ -495,45 +580,12 @@ def check_all(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL, atol: 
     for the cotangent keys). Every failing law is reported in one
     ``AssertionError``; otherwise a ``LawReport`` says what ran.
     """
-    laws = set(laws)
-    results: dict[int, str] = {}
-    failures: list[str] = []
+    run = _Runner(laws)
     kw = dict(tag=tag, rtol=rtol, atol=atol)
-
-    try:
-        keys = list(reaped(f, tag, args))
-        out_shape = jax.eval_shape(f, *args)
-    except Exception as e:  # noqa: BLE001
-        raise AssertionError(f"check_all: reaping f failed: {type(e).__name__}: {e}") from e
-    labelled = any(split_labels(k)[0] for k in keys)
-    forward_ok = float_leaves(args) and float_leaves(out_shape)
-    reverse_ok, why_not = forward_ok, "needs floating inputs and outputs"
-    if forward_ok:
-        try:
-            ct = random_like(out_shape, 0)
-            jax.eval_shape(lambda *a: jax.vjp(f, *a)[1](ct), *args)
-        except Exception as e:  # noqa: BLE001
-            reverse_ok, why_not = False, f"f is not reverse-differentiable ({type(e).__name__})"
-
-    def run(n: int, thunk: Callable[[], Any], skip: str | None = None) -> None:
-        if n not in laws:
-            return
-        if skip:
-            results[n] = f"skipped: {skip}"
-            return
-        try:
-            thunk()
-        except AssertionError as e:
-            failures.append(str(e))
-            results[n] = "failed"
-        else:
-            results[n] = "passed"
-
+    labelled, forward_skip, reverse_skip = _what_applies(f, args, tag)
     label_skip = "keys carry labels (f differentiates inside)" if labelled else None
-    run(1, lambda: check_linearize(f, *args, **kw),
-        label_skip or (None if forward_ok else "needs floating inputs and outputs"))
-    run(2, lambda: check_jvp(f, *args, **kw),
-        label_skip or (None if forward_ok else "needs floating inputs and outputs"))
+    run(1, lambda: check_linearize(f, *args, **kw), label_skip or forward_skip)
+    run(2, lambda: check_jvp(f, *args, **kw), label_skip or forward_skip)
     vmap = getattr(lh, "vmap", None)
 
     def law3() -> None:
@@ -542,13 +594,11 @@ def check_all(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL, atol: 
             check_vmap(f, *bargs, in_axes=in_axes, out_axes=out_axes, **kw)
     run(3, law3, None if vmap is not None else "needs lh.vmap (recorded transforms)")
     run(4, lambda: check_jit(f, *args, **kw))
-    run(5, lambda: check_vjp(f, *args, **kw), label_skip or (None if reverse_ok else why_not))
+    run(5, lambda: check_vjp(f, *args, **kw), label_skip or reverse_skip)
     run(6, lambda: check_roundtrip(f, *args, **kw))
-    run(7, lambda: check_lazy(f, *args, slices=slices, forward=forward_ok,
-                              perturb=perturb if reverse_ok else None, **kw),
+    run(7, lambda: check_lazy(f, *args, slices=slices, forward=forward_skip is None,
+                              perturb=perturb if reverse_skip is None else None, **kw),
         None if slices is not None else "needs slices= (the sites written with JAX alone)")
     run(8, lambda: check_compute(f, *args, **kw))
     run(9, lambda: check_nest(f, *args, scope=scope, **kw))
-    if failures:
-        raise AssertionError("\n\n".join(failures))
-    return LawReport(results)
+    return run.report()

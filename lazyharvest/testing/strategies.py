@@ -81,9 +81,23 @@ class _Gen:
 
     def statement(self, kind: str, shapes: list, scopes: tuple, depth: int,
                   loop: bool) -> tuple[Any, list]:
-        st = self.st()
-        draw = self.draw
-        vec = (N,)
+        """One statement of `kind` and the shapes of the variables it creates."""
+        if kind in ("op", "bin", "lin", "red"):
+            return self.arithmetic(kind, shapes)
+        if kind in ("sow", "pytree_site", "constant"):
+            return self.site(kind, shapes, scopes, loop)
+        if kind in ("scope", "jit", "checkpoint"):
+            return self.wrapped(kind, shapes, scopes, depth, loop)
+        if kind == "scan":
+            return self.scan(shapes, scopes, depth)
+        if kind in ("cond", "switch"):
+            return self.branches(kind, shapes, scopes, loop)
+        if kind == "while":
+            return self.while_loop(shapes, scopes)
+        raise ValueError(kind)
+
+    def arithmetic(self, kind: str, shapes: list) -> tuple[Any, list]:
+        st, draw, vec = self.st(), self.draw, (N,)
         if kind == "op":
             i = self.pick(shapes)
             return Op(draw(st.sampled_from(sorted(UNARY))), i), [shapes[i]]
@@ -93,55 +107,61 @@ class _Gen:
             return Bin(draw(st.sampled_from(sorted(BINARY))), a, b), [out]
         if kind == "lin":
             return Lin(self.pick(shapes, vec), draw(st.integers(0, 7))), [vec]
-        if kind == "red":
-            return Red(draw(st.sampled_from(sorted(REDUCE))), self.pick(shapes, vec)), [()]
+        return Red(draw(st.sampled_from(sorted(REDUCE))), self.pick(shapes, vec)), [()]
+
+    def site(self, kind: str, shapes: list, scopes: tuple, loop: bool) -> tuple[Any, list]:
+        st, draw = self.st(), self.draw
         if kind == "sow":
             i = self.pick(shapes)
             return Sow(self.name(scopes), (i,), self.mode(loop)), [shapes[i]]
         if kind == "pytree_site":
             a, b = self.pick(shapes), self.pick(shapes)
             return Sow(self.name(scopes), (a, b), self.mode(loop)), [shapes[a], shapes[b]]
-        if kind == "constant":
-            shape = draw(st.sampled_from([(), vec]))
-            return (Sow(self.name(scopes), (), self.mode(loop), const=shape,
-                        seed=draw(st.integers(0, 7))), [shape])
+        shape = draw(st.sampled_from([(), (N,)]))
+        return (Sow(self.name(scopes), (), self.mode(loop), const=shape,
+                    seed=draw(st.integers(0, 7))), [shape])
+
+    def wrapped(self, kind: str, shapes: list, scopes: tuple, depth: int,
+                loop: bool) -> tuple[Any, list]:
         if kind == "scope":
             self.n_scopes += 1
             scope = f"b{self.n_scopes - 1}"
             body, new = self.block(shapes, scopes + (scope,), depth + 1, loop, 1, 3)
             return Scope(scope, body), new
-        if kind in ("jit", "checkpoint"):
-            body, new = self.block(shapes, scopes, depth + 1, loop, 1, 3)
-            return (Jit(body) if kind == "jit" else Remat(body)), new
-        if kind == "scan":
-            carry = self.pick(shapes)
-            xs = self.pick(shapes, vec)
-            inner = shapes + [shapes[carry], ()]
-            body, new = self.block(inner, scopes, depth + 1, True, 1, 3)
-            if not any(isinstance(s, (Sow, Cond, While, Scope, Scan, Jit, Remat))
-                       for s in body):
-                body += (Sow(self.name(scopes), (len(inner) + len(new) - 1,),
-                             self.mode(True)),)
-            reverse = draw(st.booleans()) if "reverse_scan" in self.allowed else False
-            return Scan(carry, xs, body, reverse, not self.dead_code), [shapes[carry], vec]
-        if kind in ("cond", "switch"):
-            n_br = 2 if kind == "cond" else 3
-            length = draw(st.integers(1, 3))
-            ops = st.sampled_from(sorted(UNARY))
-            branches = tuple(tuple(draw(ops) for _ in range(length)) for _ in range(n_br))
-            where = tuple(sorted(draw(st.sets(st.integers(0, length - 1), min_size=1,
-                                              max_size=2))))
-            names = tuple(self.name(scopes) for _ in where)
-            operand = self.pick(shapes)
-            return (Cond(self.pick(shapes), operand, branches, where, names, self.mode(loop)),
-                    [shapes[operand]])
-        if kind == "while":
-            src = self.pick(shapes)
-            ops = tuple(draw(st.lists(st.sampled_from(["sin", "tanh", "scale", "shift"]),
-                                      min_size=1, max_size=2)))
-            trips = draw(st.sampled_from([0, 1, 2]))
-            return While(src, ops, trips, self.name(scopes)), [shapes[src]]
-        raise ValueError(kind)
+        body, new = self.block(shapes, scopes, depth + 1, loop, 1, 3)
+        return (Jit(body) if kind == "jit" else Remat(body)), new
+
+    def scan(self, shapes: list, scopes: tuple, depth: int) -> tuple[Any, list]:
+        vec = (N,)
+        carry = self.pick(shapes)
+        xs = self.pick(shapes, vec)
+        inner = shapes + [shapes[carry], ()]
+        body, new = self.block(inner, scopes, depth + 1, True, 1, 3)
+        if not any(isinstance(s, (Sow, Cond, While, Scope, Scan, Jit, Remat)) for s in body):
+            body += (Sow(self.name(scopes), (len(inner) + len(new) - 1,), self.mode(True)),)
+        reverse = self.draw(self.st().booleans()) if "reverse_scan" in self.allowed else False
+        return Scan(carry, xs, body, reverse, not self.dead_code), [shapes[carry], vec]
+
+    def branches(self, kind: str, shapes: list, scopes: tuple, loop: bool) -> tuple[Any, list]:
+        st, draw = self.st(), self.draw
+        n_br = 2 if kind == "cond" else 3
+        length = draw(st.integers(1, 3))
+        ops = st.sampled_from(sorted(UNARY))
+        branches = tuple(tuple(draw(ops) for _ in range(length)) for _ in range(n_br))
+        where = tuple(sorted(draw(st.sets(st.integers(0, length - 1), min_size=1,
+                                          max_size=2))))
+        names = tuple(self.name(scopes) for _ in where)
+        operand = self.pick(shapes)
+        return (Cond(self.pick(shapes), operand, branches, where, names, self.mode(loop)),
+                [shapes[operand]])
+
+    def while_loop(self, shapes: list, scopes: tuple) -> tuple[Any, list]:
+        st, draw = self.st(), self.draw
+        src = self.pick(shapes)
+        ops = tuple(draw(st.lists(st.sampled_from(["sin", "tanh", "scale", "shift"]),
+                                  min_size=1, max_size=2)))
+        trips = draw(st.sampled_from([0, 1, 2]))
+        return While(src, ops, trips, self.name(scopes)), [shapes[src]]
 
 
 def programs(*, exclude: Iterable[str] = (), max_statements: int = 5, max_depth: int = 2,
