@@ -14,11 +14,12 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 import jax
 
 import lazyharvest as lh
-# The only names this package takes from lazyharvest's internals.
-from lazyharvest.interpreter import sub_jaxprs
 from lazyharvest.keys import Key, normalize
-from lazyharvest.primitive import sow_p
 from lazyharvest.testing._values import all_zero, random_like
+
+# lazyharvest internals: imported here and nowhere else in the package.
+from lazyharvest.interpreter import sub_jaxprs
+from lazyharvest.primitive import sow_p
 
 #: The labels a key may start with (SPEC 1 and 3).
 LABELS = frozenset({

@@ -363,6 +363,7 @@ class _Law7:
                 compare(law, dk, guard(law, lambda: d[dk]), expected[k], self.rtol, self.atol)
 
     def under_stack(self, stack: Stack) -> None:
+        """Every key ``Stack.key_labels`` names, against ``Stack.expected``."""
         law = _law(7, f"recorded transforms {stack}")
         d = guard(law, lambda: self.reap(stack.apply(self.f), *self.args))
         for mask, labels in stack.key_labels():
@@ -378,7 +379,7 @@ class _Law7:
         law = _law(7, "plain keys")
         d = guard(law, lambda: self.reap(self.f, *self.args))
         same_keys(law, map(normalize, d.keys()), want)
-        for k in want:
+        for k in want:  # one leaf at a time: the lazy path
             compare(law, k, guard(law, lambda: d[k]), want[k], self.rtol, self.atol)
         return want
 
@@ -407,6 +408,7 @@ class _Law7:
 
     def backward_function(self, ct: Any, ct_sites: Mapping[Key, Any],
                           constant: Callable[[Key], bool]) -> None:
+        """The reaped backward function of ``jax.vjp``: plain keys, cotangent values."""
         law = _law(7, "reaped backward function")
         _, bwd = jax.vjp(self.f, *self.args)
         db = guard(law, lambda: self.reap(bwd, ct))
@@ -415,6 +417,7 @@ class _Law7:
 
     def linear_function(self, want: Mapping[Key, Any], t: Any, tan: Mapping[Key, Any],
                         ct_sites: Mapping[Key, Any] | None) -> None:
+        """The reaped linear function of ``jax.linearize``: plain keys, tangent values."""
         law = _law(7, "reaped linear function")
         _, lin = jax.linearize(self.f, *self.args)
         dl = guard(law, lambda: self.reap(lin, *t))

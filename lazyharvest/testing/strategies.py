@@ -15,7 +15,9 @@ from lazyharvest.testing.statements import (
     BINARY, CONSTRUCTS, N, REDUCE, UNARY, Bin, Cond, Jit, Lin, Op, Output, Red, Remat, Scan,
     Scope, Sow, While)
 
+
 def _strategies() -> Any:
+    """``hypothesis.strategies``, imported on first use."""
     try:
         import hypothesis.strategies as st
     except ImportError as e:  # pragma: no cover - depends on the environment
