@@ -3,52 +3,95 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
+import attrs
 import jax
 
 from lazyharvest import _jax
 from lazyharvest._interpreter import Harvest
 from lazyharvest.delayed import DelayedDict
+from lazyharvest.errors import HarvestError
 from lazyharvest.primitive import scoped
-from lazyharvest.program import NO_PLANTS, cached_trace, flatten_args, resolve_plants
+from lazyharvest.program import NO_PLANTS, Static, cached_trace, flatten_args, resolve_plants
 
 
-def _harvest(tag: Hashable, allowlist: Iterable[str] | None,
-             blocklist: Iterable[str], exclusive: bool) -> Harvest:
+def _harvest(tag: Hashable, allowlist: Iterable[Any] | None,
+             blocklist: Iterable[Any], exclusive: bool) -> Harvest:
+    try:
+        hash(tag)
+    except TypeError:
+        raise HarvestError(f"harvest tag {tag!r} is not hashable; use a string or "
+                           f"another hashable value.") from None
     return Harvest(tag, None if allowlist is None else frozenset(allowlist),
                    frozenset(blocklist), bool(exclusive))
 
 
+@attrs.frozen
+class _Call:
+    """How a harvested function is called: what it returns, which arguments
+    are static, how plants apply."""
+
+    with_out: bool
+    with_dict: bool
+    static_argnums: tuple = ()
+    static_argnames: tuple = ()
+    add: bool = False
+
+    def split_static(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Static arguments wrapped so they are passed by value, as jax.jit does."""
+        if not self.static_argnums and not self.static_argnames:
+            return args, kwargs
+        n = len(args)
+        nums = {i % n for i in self.static_argnums if -n <= i < n}
+        args = tuple(Static(a) if i in nums else a for i, a in enumerate(args))
+        kwargs = {k: Static(v) if k in self.static_argnames else v
+                  for k, v in kwargs.items()}
+        return args, kwargs
+
+
+def _call(with_out: bool, with_dict: bool, static_argnums: Any = (),
+          static_argnames: Any = (), mode: str = "replace") -> _Call:
+    if mode not in ("replace", "add"):
+        raise HarvestError(f"plant mode {mode!r}: use 'replace' (the plant replaces "
+                           f"the sown value) or 'add' (it is added to it).")
+    nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+    names = ((static_argnames,) if isinstance(static_argnames, str)
+             else tuple(static_argnames))
+    return _Call(with_out, with_dict, nums, names, mode == "add")
+
+
 def _run(f: Callable, h: Harvest, plants: Any, args: tuple, kwargs: dict,
-         with_out: bool, with_dict: bool) -> Any:
-    flat, in_tree, avals = flatten_args(args, kwargs)
-    traced = cached_trace(f, h, in_tree, avals)
+         how: _Call) -> Any:
+    flat, arg_spec, avals = flatten_args(*how.split_static(args, kwargs))
+    traced = cached_trace(f, h, arg_spec, avals)
     spec, plant_leaves = NO_PLANTS, list[Any]()
     if plants is not None:
-        spec, plant_leaves = resolve_plants(traced, plants)
-    if not with_out:
+        spec, plant_leaves = resolve_plants(traced, plants, add=how.add)
+    if not how.with_out:
         return DelayedDict.from_trace(traced, flat, spec, plant_leaves)
     # Inside a trace (a training step under jax.jit), the output's program
     # also returns every leaf it computes anyway (values, tangents,
     # cotangents): the forward pass runs once, and what is never read is
     # dead code for the enclosing jit. Eagerly, leaves stay lazy (memory).
-    staged = with_dict and (_jax.any_tracer(flat) or _jax.any_tracer(plant_leaves))
+    staged = how.with_dict and (_jax.any_tracer(flat) or _jax.any_tracer(plant_leaves))
     keys = traced.direct_keys(spec) if staged else []
-    outs = traced.program(keys, with_out=True, plants=spec)(*flat, *plant_leaves)
+    prog = traced.program(keys, with_out=True, plants=spec, pass_through=not how.with_dict)
+    outs = prog(*flat, *plant_leaves)
     n_out = traced.out_tree.num_leaves
     out = jax.tree_util.tree_unflatten(traced.out_tree, outs[:n_out])
-    if not with_dict:
+    if not how.with_dict:
         return out
     d = DelayedDict.from_trace(traced, flat, spec, plant_leaves,
                                computed=(keys, outs[n_out:]))
     return out, d
 
 
-def reap(f: Callable, *, tag: Hashable, allowlist: Iterable[str] | None = None,
-         blocklist: Iterable[str] = (), exclusive: bool = False
-         ) -> Callable[..., DelayedDict]:
+def reap(f: Callable, *, tag: Hashable, allowlist: Iterable[Any] | None = None,
+         blocklist: Iterable[Any] = (), exclusive: bool = False,
+         static_argnums: int | Sequence[int] = (),
+         static_argnames: str | Sequence[str] = ()) -> Callable[..., DelayedDict]:
     """Makes `f` return its sites of `tag`, lazily, instead of its output.
 
     **Arguments:**
@@ -100,17 +143,20 @@ def reap(f: Callable, *, tag: Hashable, allowlist: Iterable[str] | None = None,
     8.0
     """
     h = _harvest(tag, allowlist, blocklist, exclusive)
+    how = _call(False, True, static_argnums, static_argnames)
 
     @_jax.api_boundary
     @functools.wraps(f)
     def reaped(*args: Any, **kwargs: Any) -> DelayedDict:
-        return _run(f, h, None, args, kwargs, with_out=False, with_dict=True)
+        return _run(f, h, None, args, kwargs, how)
     return reaped
 
 
 def call_and_reap(f: Callable, *, tag: Hashable,
-                  allowlist: Iterable[str] | None = None,
-                  blocklist: Iterable[str] = (), exclusive: bool = False
+                  allowlist: Iterable[Any] | None = None,
+                  blocklist: Iterable[Any] = (), exclusive: bool = False,
+                  static_argnums: int | Sequence[int] = (),
+                  static_argnames: str | Sequence[str] = ()
                   ) -> Callable[..., tuple[Any, DelayedDict]]:
     """Makes `f` return its output and its sites of `tag`, lazily.
 
@@ -152,17 +198,19 @@ def call_and_reap(f: Callable, *, tag: Hashable,
     9.0 8.0
     """
     h = _harvest(tag, allowlist, blocklist, exclusive)
+    how = _call(True, True, static_argnums, static_argnames)
 
     @_jax.api_boundary
     @functools.wraps(f)
     def called(*args: Any, **kwargs: Any) -> tuple[Any, DelayedDict]:
-        return _run(f, h, None, args, kwargs, with_out=True, with_dict=True)
+        return _run(f, h, None, args, kwargs, how)
     return called
 
 
-def plant(f: Callable, *, tag: Hashable, allowlist: Iterable[str] | None = None,
-          blocklist: Iterable[str] = (), exclusive: bool = False
-          ) -> Callable[..., Any]:
+def plant(f: Callable, *, tag: Hashable, allowlist: Iterable[Any] | None = None,
+          blocklist: Iterable[Any] = (), exclusive: bool = False, mode: str = "replace",
+          static_argnums: int | Sequence[int] = (),
+          static_argnames: str | Sequence[str] = ()) -> Callable[..., Any]:
     """Makes `f` take values for its sites of `tag`, which replace the sown ones.
 
     **Arguments:**
@@ -209,16 +257,19 @@ def plant(f: Callable, *, tag: Hashable, allowlist: Iterable[str] | None = None,
     24.0
     """
     h = _harvest(tag, allowlist, blocklist, exclusive)
+    how = _call(True, False, static_argnums, static_argnames, mode)
 
     @_jax.api_boundary
     @functools.wraps(f)
     def planted(plants: Any, *args: Any, **kwargs: Any) -> Any:
-        return _run(f, h, plants, args, kwargs, with_out=True, with_dict=False)
+        return _run(f, h, plants, args, kwargs, how)
     return planted
 
 
-def harvest(f: Callable, *, tag: Hashable, allowlist: Iterable[str] | None = None,
-            blocklist: Iterable[str] = (), exclusive: bool = False
+def harvest(f: Callable, *, tag: Hashable, allowlist: Iterable[Any] | None = None,
+            blocklist: Iterable[Any] = (), exclusive: bool = False, mode: str = "replace",
+            static_argnums: int | Sequence[int] = (),
+            static_argnames: str | Sequence[str] = ()
             ) -> Callable[..., tuple[Any, DelayedDict]]:
     """Plants into `f` and reaps the sites of `tag` that were not planted.
 
@@ -259,11 +310,12 @@ def harvest(f: Callable, *, tag: Hashable, allowlist: Iterable[str] | None = Non
     30.0 ['b'] 20.0
     """
     h = _harvest(tag, allowlist, blocklist, exclusive)
+    how = _call(True, True, static_argnums, static_argnames, mode)
 
     @_jax.api_boundary
     @functools.wraps(f)
     def harvested(plants: Any, *args: Any, **kwargs: Any) -> tuple[Any, DelayedDict]:
-        return _run(f, h, plants, args, kwargs, with_out=True, with_dict=True)
+        return _run(f, h, plants, args, kwargs, how)
     return harvested
 
 

@@ -184,13 +184,15 @@ class DelayedDict(Mapping):
         traced = store.traced
 
         def continuation(*args: Any, **kwargs: Any) -> Any:
-            flat, _, avals = flatten_args(args, kwargs)
-            if avals != traced.in_avals:
+            flat, spec, avals = flatten_args(args, kwargs)
+            if spec != traced.arg_spec or not _same_avals(avals, traced.in_avals):
                 raise HarvestError(
                     f"harvest of tag {traced.harvest.tag!r}: the continuation of "
                     f"{keys_mod.display(traced.key_of[raw][0])!r} takes arguments "
-                    f"shaped like the original call {traced.in_avals}, got "
-                    f"{avals}. Call the reaped function again for new shapes.")
+                    f"structured and shaped like the original call "
+                    f"({traced.arg_spec.in_tree}, {traced.in_avals}); got "
+                    f"({spec.in_tree}, {avals}). Call the reaped function again "
+                    f"for other arguments.")
             prog = traced.program([raw], with_out=False, plants=store.plants)
             leaves = prog(*flat, *store.plant_leaves)
             return jax.tree_util.tree_unflatten(traced.sites[raw].tree, leaves)
@@ -347,6 +349,12 @@ class DelayedDict(Mapping):
         """
         from lazyharvest import display
         return display.summary(self, compute=compute)
+
+
+def _same_avals(a: tuple, b: tuple) -> bool:
+    """Equal shapes and dtypes; weak types may differ (a Python float for f32)."""
+    return len(a) == len(b) and all(
+        x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
 
 
 def _canonical_keys(leaves: dict) -> list:

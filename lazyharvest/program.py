@@ -55,6 +55,7 @@ class PlantEntry:
     mode: str
     additive: bool  # a cotangent site: the plant is added, not substituted
     avals: tuple
+    add: bool = False  # plant(mode="add"): added to the sown value
 
 
 @attrs.frozen
@@ -78,7 +79,7 @@ class PlantSpec:
     def plants(self, leaves: Sequence[Any]) -> dict[RawKey, Plant]:
         """The `Plant`s of a run, given the planted leaves in order."""
         *chunks, _ = split_list(leaves, [len(e.avals) for e in self.entries])
-        return {e.key: Plant(c, e.mode, e.additive)
+        return {e.key: Plant(c, e.mode, e.additive, e.add)
                 for e, c in zip(self.entries, chunks)}
 
 
@@ -102,6 +103,7 @@ class Traced:
     raw_of: dict  # user key -> RawKey
     names: frozenset  # every name the tag sows, filtered or not
     other_tags: frozenset  # tags of the other sites in the program (for errors)
+    arg_spec: Any = None  # ArgSpec of the calls this trace serves
     programs: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)
     indexes: dict = attrs.field(factory=dict)  # PlantSpec -> key index
     lock: Any = attrs.field(factory=threading.RLock)
@@ -124,21 +126,24 @@ class Traced:
                 and not any(isinstance(x, Label) for x in k[0])]
 
     def program(self, raw_keys: Sequence[RawKey], with_out: bool,
-                plants: PlantSpec = NO_PLANTS) -> Program:
-        cache_key = (tuple(raw_keys), with_out, plants)
+                plants: PlantSpec = NO_PLANTS, pass_through: bool = False) -> Program:
+        """The compiled slice computing `raw_keys` (and the output, `with_out`);
+        with `pass_through`, unplanted sites stay sites of the program."""
+        cache_key = (tuple(raw_keys), with_out, plants, pass_through)
         with self.lock:
             prog = self.programs.get(cache_key)
             if prog is not None:
                 self.programs.move_to_end(cache_key)
                 return prog
-        prog = self._build(list(raw_keys), with_out, plants)
+        prog = self._build(list(raw_keys), with_out, plants, pass_through)
         with self.lock:
             self.programs[cache_key] = prog
             while len(self.programs) > PROGRAM_CACHE_SIZE:
                 self.programs.popitem(last=False)
         return prog
 
-    def _build(self, raw_keys: list, with_out: bool, plants: PlantSpec) -> Program:
+    def _build(self, raw_keys: list, with_out: bool, plants: PlantSpec,
+               pass_through: bool) -> Program:
         wanted = frozenset(raw_keys)
         n_args = len(self.in_avals)
         closed = self.jaxpr
@@ -146,7 +151,7 @@ class Traced:
         def fn(*flat):
             args, leaves = flat[:n_args], flat[n_args:]
             run = Run(self.harvest, wanted.__contains__, plants.plants(leaves),
-                      keep_other_tags=with_out)
+                      keep_other_tags=with_out, pass_through=pass_through)
             outs = run.eval(closed.jaxpr, closed.consts, args)
             site = [x for k in raw_keys for x in run.records[k].leaves()]
             return [*outs, *site] if with_out else site
@@ -168,12 +173,16 @@ def _site_names(jaxpr: _jax.Jaxpr, tag: Any, names: set, tags: set) -> tuple[set
     return names, tags
 
 
-def trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -> Traced:
+def trace(f: Callable, harvest: Harvest, spec: ArgSpec, in_avals: tuple) -> Traced:
     """Traces `f` abstractly once and finds its sites (no FLOPs)."""
+    def call(*dynamic):
+        args, kwargs = spec.rebuild(dynamic)
+        return f(*args, **kwargs)
+
+    flat_tree = jax.tree_util.tree_structure(tuple(range(len(in_avals))))
     with harvesting(harvest.tag):
         closed, out_tree = _jax.trace_pytree(
-            lambda args, kwargs: f(*args, **kwargs), in_tree, in_avals,
-            name=getattr(f, "__name__", "harvested"))
+            call, flat_tree, in_avals, name=getattr(f, "__name__", "harvested"))
     run = Run(harvest, lambda k: True, abstract=True)
     found: list = []
 
@@ -188,7 +197,7 @@ def trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -> Trace
     names, tags = _site_names(closed.jaxpr, harvest.tag, set(), set())
     return Traced(harvest, closed, in_avals, out_tree, sites, key_of,
                   {u: k for k, us in key_of.items() for u in us},
-                  frozenset(names), frozenset(tags))
+                  frozenset(names), frozenset(tags), spec)
 
 
 # --- the trace cache: weak in the user's function ---------------------------
@@ -252,10 +261,10 @@ def _warn_uncached(f: Callable) -> None:
             f"function defined once (def g(*a): return f(*a)).", stacklevel=4)
 
 
-def cached_trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -> Traced:
+def cached_trace(f: Callable, harvest: Harvest, spec: ArgSpec, in_avals: tuple) -> Traced:
     """The trace of `f` for these arguments, from the cache when possible."""
     base, fkey = _owner_of(f)
-    key = (fkey, harvest, in_tree, in_avals, active_tags(), current_scopes(),
+    key = (fkey, harvest, spec, in_avals, active_tags(), current_scopes(),
            _jax.trace_context())
     with _TRACES_LOCK:
         per_fn = _traces_for(base)
@@ -265,10 +274,10 @@ def cached_trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -
             per_fn = hit = None
     if per_fn is None:
         _warn_uncached(f)
-        return trace(f, harvest, in_tree, in_avals)
+        return trace(f, harvest, spec, in_avals)
     if hit is not None:
         return hit
-    traced = trace(f, harvest, in_tree, in_avals)
+    traced = trace(f, harvest, spec, in_avals)
     if _jax.any_tracer(traced.jaxpr.consts):  # closes over a tracer: this trace only
         return traced
     with _TRACES_LOCK:
@@ -278,31 +287,87 @@ def cached_trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -
     return traced
 
 
-def flatten_args(args: tuple, kwargs: dict) -> tuple[list, Any, tuple]:
-    """Leaves, tree and avals of a call's arguments (checked to be arrays)."""
+@attrs.frozen
+class Static:
+    """An argument passed by value (`static_argnums`/`static_argnames`):
+    part of the cache key, never traced."""
+
+    value: Any
+
+
+@attrs.frozen
+class ArgSpec:
+    """How a call's arguments split into traced arrays and static values.
+
+    Hashable: the trace cache keys on it. `static` holds `(leaf index,
+    value)` for every leaf that is not an array (functions, strings, flags,
+    `Static` arguments), as `equinox.filter_jit` does.
+    """
+
+    in_tree: Any  # of (args, kwargs), every leaf
+    static: tuple = ()
+
+    def rebuild(self, dynamic: Sequence[Any]) -> tuple[tuple, dict]:
+        """The call's (args, kwargs), from its traced leaves."""
+        leaves = list(dynamic)
+        for i, value in self.static:
+            leaves.insert(i, value)
+        args, kwargs = jax.tree_util.tree_unflatten(self.in_tree, leaves)
+        args = tuple(a.value if isinstance(a, Static) else a for a in args)
+        kwargs = {k: v.value if isinstance(v, Static) else v for k, v in kwargs.items()}
+        return args, kwargs
+
+
+_ARRAY_TYPES = (np.ndarray, np.generic, int, float, complex)
+
+
+def _is_static_leaf(x: Any) -> bool:
+    # Python flags are static (they steer control flow, as with
+    # equinox.filter_jit); numbers are traced, as jax.jit traces them.
+    return isinstance(x, bool) or not isinstance(x, _ARRAY_TYPES)
+
+
+def flatten_args(args: tuple, kwargs: dict) -> tuple[list, ArgSpec, tuple]:
+    """Traced leaves, their `ArgSpec` and avals, for a call's arguments."""
     leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
     try:  # arrays and tracers carry their aval: much cheaper than typeof
-        return leaves, in_tree, tuple([x.aval for x in leaves])
+        return leaves, ArgSpec(in_tree), tuple([x.aval for x in leaves])
     except AttributeError:
         pass
-    avals = []
-    for x in leaves:
+    dynamic, avals, static = [], [], []
+    for i, x in enumerate(leaves):
         aval = getattr(x, "aval", None)
-        if aval is None:
-            if not isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
-                raise HarvestError(
-                    f"harvested functions take pytrees of arrays; got an argument "
-                    f"leaf of type {type(x).__name__}. Close over non-array "
-                    f"arguments (functools.partial) instead.")
-            aval = jax.typeof(x)
-        avals.append(aval)
-    return leaves, in_tree, tuple(avals)
+        if aval is None and _is_static_leaf(x):
+            static.append((i, _hashable(x, i)))
+            continue
+        dynamic.append(x)
+        avals.append(jax.typeof(x) if aval is None else aval)
+    return dynamic, ArgSpec(in_tree, tuple(static)), tuple(avals)
+
+
+def _hashable(x: Any, i: int) -> Any:
+    try:
+        hash(x)
+    except TypeError:
+        shown = x.value if isinstance(x, Static) else x
+        raise HarvestError(
+            f"harvested functions treat arguments that are not arrays as static "
+            f"(part of the compile-cache key, as jax.jit's static arguments), so "
+            f"they must be hashable; argument leaf #{i} of type "
+            f"{type(shown).__name__} is not. Pass it as an array, make it "
+            f"hashable, or close over it (functools.partial).") from None
+    return x
 
 
 # --- plants ------------------------------------------------------------------
 
-def resolve_plants(traced: Traced, plants: Any) -> tuple[PlantSpec, list]:
-    """Checks `plants` against the sites; returns their spec and leaves."""
+def resolve_plants(traced: Traced, plants: Any, add: bool = False
+                   ) -> tuple[PlantSpec, list]:
+    """Checks `plants` against the sites; returns their spec and leaves.
+
+    With `add`, a plant is added to the sown value and may be of any shape
+    that broadcasts to the site's (a `(D,)` vector into a `(B, T, D)` site).
+    """
     h = traced.harvest
     found: dict = {}
 
@@ -349,17 +414,33 @@ def resolve_plants(traced: Traced, plants: Any) -> tuple[PlantSpec, list]:
                 f"{site.tree}. Plant a value of the same pytree structure.")
         cast = []
         for v, aval in zip(vals, site.avals):
-            cast.append(_cast_plant(v, aval, where))
+            cast.append(_cast_plant(v, aval, where, add))
         spec.append(PlantEntry(raw, site.mode, bool(raw[0]) and raw[0][-1] == VJP,
-                               tuple(jax.typeof(x) for x in cast)))
+                               tuple(jax.typeof(x) for x in cast), add))
         leaves += cast
     return PlantSpec(tuple(spec)), leaves
 
 
-def _cast_plant(v: Any, aval: Any, where: str) -> Any:
+def _cast_plant(v: Any, aval: Any, where: str, add: bool = False) -> Any:
+    if not hasattr(v, "dtype") and not isinstance(v, (bool, int, float, complex)):
+        arr = np.asarray(v) if not isinstance(v, (str, bytes)) else None
+        if arr is None or arr.dtype.kind not in "biufc":
+            raise HarvestError(f"{where}: a planted value must be an array or a "
+                               f"number, got {type(v).__name__}.")
+        v = arr
     shape, dtype = tuple(np.shape(v)), jnp.result_type(v)
     weak = isinstance(v, (int, float, complex, bool)) or getattr(
         jax.typeof(v), "weak_type", False)
+    if add and shape != tuple(aval.shape):
+        try:
+            broadcast = np.broadcast_shapes(shape, tuple(aval.shape))
+        except ValueError:
+            broadcast = None
+        if broadcast != tuple(aval.shape):
+            raise HarvestError(
+                f"{where}: an added plant of shape {shape} does not broadcast to "
+                f"the site's shape {tuple(aval.shape)}.")
+        v, shape = jnp.broadcast_to(v, aval.shape), tuple(aval.shape)
     if shape != tuple(aval.shape):
         raise HarvestError(
             f"{where}: planted value has shape {shape}, the site has shape "

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from lazyharvest import _jax
 from lazyharvest._interpreter.sites import Harvest, RawKey, contains_sites, raw_key
 from lazyharvest.errors import HarvestError
-from lazyharvest.primitive import sow_p
+from lazyharvest.primitive import active_tags, sow_p
 
 
 @attrs.define
@@ -53,7 +53,8 @@ class Plant:
 
     leaves: list
     mode: str
-    additive: bool
+    additive: bool  # a cotangent site: added where the reaped value was sown
+    add: bool = False  # plant(mode="add"): added to the site at every sow
 
 
 EvalRule = Callable[..., list]
@@ -73,7 +74,8 @@ class Run:
     def __init__(self, harvest: Harvest, want: Callable[[RawKey], bool],
                  plants: dict[RawKey, Plant] | None = None,
                  cursor: dict[RawKey, int] | None = None,
-                 keep_other_tags: bool = True, abstract: bool = False):
+                 keep_other_tags: bool = True, abstract: bool = False,
+                 pass_through: bool = False):
         self.harvest = harvest
         # An abstract run only learns the sites' avals: derivative leaves of
         # recorded transforms get placeholders of the right aval, not traces.
@@ -82,16 +84,21 @@ class Run:
         self.plants = plants or {}
         self.cursor = dict(cursor or {})
         self.keep_other_tags = keep_other_tags and not harvest.exclusive
+        # A plant consumes only the sites it plants; the others stay sites,
+        # for harvests outside it.
+        self.pass_through = pass_through
         self.records: dict[RawKey, Record] = {}
 
     def nested(self, plants: dict[RawKey, Plant] | None = None,
                cursor: dict[RawKey, int] | None = None,
-               want: Callable[[RawKey], bool] | None = None) -> Run:
+               want: Callable[[RawKey], bool] | None = None,
+               pass_through: bool | None = None) -> Run:
         """A run for a body inside this one; each argument left out is inherited."""
         return Run(self.harvest, self.want if want is None else want,
                    self.plants if plants is None else plants,
                    self.cursor if cursor is None else cursor,
-                   self.keep_other_tags, self.abstract)
+                   self.keep_other_tags, self.abstract,
+                   self.pass_through if pass_through is None else pass_through)
 
     # -- recording --------------------------------------------------------
 
@@ -178,6 +185,8 @@ class Run:
         mode = params["mode"]
         if plant is not None:
             return self.apply_plant(key, plant, vals)
+        if self.pass_through:
+            return sow_p.bind(*vals, **dict(params, effect=params["tag"] in active_tags()))
         if self.want(key):
             leaves = [x[None] for x in vals] if mode == "append" else vals
             self.record(key, mode, params["tree"], leaves)
@@ -194,7 +203,7 @@ class Run:
             new = [p[i] for p in plant.leaves]
         else:
             new = list(plant.leaves)
-        if plant.additive:
+        if plant.additive or plant.add:
             return [v + p.astype(v.dtype) for v, p in zip(vals, new)]
         return [p.astype(v.dtype) for v, p in zip(vals, new)]
 

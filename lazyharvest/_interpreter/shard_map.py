@@ -43,8 +43,8 @@ def _planted_layouts(run: Run, ops: PlantOperands, jaxpr: _jax.Jaxpr, inside,
     if not ops.keys:
         return []
     with inside():
-        plain, _inner = trace_body(run.nested({}, {}, want=lambda k: True), jaxpr, (),
-                              invar_avals(jaxpr))
+        learn = run.nested({}, {}, want=lambda k: True, pass_through=False)
+        plain, _inner = trace_body(learn, jaxpr, (), invar_avals(jaxpr))
     inner = {s.key: s for s in plain.sites}
     return [layout_of_aval(a, axes, check) for k in ops.keys for a in inner[k].avals]
 

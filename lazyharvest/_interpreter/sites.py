@@ -45,10 +45,12 @@ class Harvest:
         return self.tag is ANY_TAG or params["tag"] == self.tag
 
     def selects(self, params: dict) -> bool:
-        name = params["name"]
-        if self.allowlist is not None and name not in self.allowlist:
+        """Whether the filters take the site: by name or by scoped key."""
+        name, scoped = params["name"], (*params["scopes"], params["name"])
+        if self.allowlist is not None and not (
+                name in self.allowlist or scoped in self.allowlist):
             return False
-        return name not in self.blocklist
+        return not (name in self.blocklist or scoped in self.blocklist)
 
     def where(self, key: RawKey) -> str:
         return f"harvest of tag {self.tag!r}, site {describe(key)!r}"
