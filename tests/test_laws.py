@@ -17,9 +17,8 @@ from hypothesis import strategies as st
 from jax import lax
 
 import lazyharvest as lh
-from lazyharvest import testing as T
 from helpers import X, fresh_victim, simplest_with
-
+from lazyharvest import testing as T
 
 HAS_TRANSFORMS = all(hasattr(lh, n) for n in ("vmap", "jit", "grad", "jacfwd", "jacrev"))
 needs_transforms = pytest.mark.xfail(not HAS_TRANSFORMS, reason="needs recorded transforms",

@@ -17,11 +17,10 @@ from hypothesis import strategies as st
 from jax import lax
 
 import lazyharvest as lh
-from lazyharvest._jax import ad as _ad  # the one module that touches JAX internals
-from lazyharvest import testing as T
-from lazyharvest.primitive import JVP, PRIMAL, VJP, sow_p
 from helpers import X, fresh_victim, simplest_with
-
+from lazyharvest import testing as T
+from lazyharvest._jax import ad as _ad  # the one module that touches JAX internals
+from lazyharvest.primitive import JVP, PRIMAL, VJP, sow_p
 
 # --- the random programs ---------------------------------------------------------------
 

@@ -8,7 +8,8 @@ Every failure is an ``AssertionError`` that starts with the law (see
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -43,7 +44,7 @@ def compare(law: str, key: Any, got: Any, want: Any, rtol: float, atol: float) -
     where = f"{law}: key {display(normalize(key)) if key is not None else '(output)'!r}"
     gs, gt = jax.tree_util.tree_flatten(got)
     ws, wt = jax.tree_util.tree_flatten(want)
-    if gt != wt:
+    if gt != wt:  # type: ignore[operator]
         raise AssertionError(
             f"{where}: structures differ: got {gt}, want {wt} (max error: n/a)")
     for g, w in zip(gs, ws):

@@ -7,7 +7,8 @@ lazyharvest.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -17,17 +18,39 @@ from jax import lax
 import lazyharvest as lh
 from lazyharvest.keys import normalize
 from lazyharvest.testing.statements import (
-    BINARY, N, REDUCE, UNARY, Bin, Cond, Jit, Lin, Op, Output, Red, Remat, Scan, Scope, Sow,
-    While)
+    BINARY,
+    REDUCE,
+    UNARY,
+    Bin,
+    Cond,
+    Jit,
+    Lin,
+    N,
+    Op,
+    Output,
+    Red,
+    Remat,
+    Scan,
+    Scope,
+    Sow,
+    While,
+)
 
 
 class Description(Protocol):
     """What the interpreter reads of a ``Program``."""
 
-    body: tuple
-    output: Output
-    tree_input: bool
-    tag: str
+    @property
+    def body(self) -> tuple: ...
+
+    @property
+    def output(self) -> Output: ...
+
+    @property
+    def tree_input(self) -> bool: ...
+
+    @property
+    def tag(self) -> str: ...
 
 
 def _shape_of(x: Any) -> tuple:

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any
 
 import jax
 
 import lazyharvest as lh
-from lazyharvest.keys import Key, normalize
-from lazyharvest.testing._values import all_zero, random_like
 
 # lazyharvest internals: imported here and nowhere else in the package.
 from lazyharvest._interpreter import sub_jaxprs
+from lazyharvest.keys import Key, normalize
 from lazyharvest.primitive import sow_p
+from lazyharvest.testing._values import all_zero, random_like
 
 #: The labels a key may start with (SPEC 1 and 3).
 LABELS = frozenset({
@@ -51,7 +52,7 @@ def get_nested(tree: Mapping, key: Key) -> Any:
 def flat(d: Any) -> dict[Key, Any]:
     """A DelayedDict forced in one program, as a flat {key tuple: value} dict."""
     nested = d.compute()
-    return {normalize(k): get_nested(nested, normalize(k)) for k in d.keys()}
+    return {normalize(k): get_nested(nested, normalize(k)) for k in d}
 
 
 def reaped(f: Callable, tag: Hashable, args: Sequence[Any]) -> dict[Key, Any]:

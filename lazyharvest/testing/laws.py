@@ -10,7 +10,8 @@ writes), never from the harvest being checked.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +19,30 @@ import jax.numpy as jnp
 import lazyharvest as lh
 from lazyharvest.keys import Key, display, normalize
 from lazyharvest.testing._compare import (
-    ATOL, RTOL, compare, compare_dicts, guard, missing, only_on_left, same_keys)
+    ATOL,
+    RTOL,
+    compare,
+    compare_dicts,
+    guard,
+    missing,
+    only_on_left,
+    same_keys,
+)
 from lazyharvest.testing._sites import (
-    Evidence, default_keys, flat, get_nested, reaped, split_labels)
+    Evidence,
+    default_keys,
+    flat,
+    get_nested,
+    reaped,
+    split_labels,
+)
 from lazyharvest.testing._values import (
-    all_zero, float_leaves, is_float, random_like, zeros_like_tree)
+    all_zero,
+    float_leaves,
+    is_float,
+    random_like,
+    zeros_like_tree,
+)
 from lazyharvest.testing.stacks import Stack
 
 #: Law number -> (short name, statement).
@@ -355,7 +375,7 @@ class _Law7:
                excuse: Callable[[Key], bool] = lambda k: False, what: str = "") -> None:
         """``d[keys[k]] == expected[k]`` one leaf at a time (the lazy path); a
         key absent from ``d`` must be excused by ``excuse``."""
-        present = {normalize(k) for k in d.keys()}
+        present = {normalize(k) for k in d}
         missing(law, [k for k, dk in keys.items() if dk not in present], excuse, what,
                 self.strict_keys)
         for k, dk in keys.items():
@@ -427,7 +447,7 @@ class _Law7:
             ev = Evidence(self.f, self.args, self.tag)
             dead = lambda k: all_zero(tan[k]) or ev.dead(k)  # noqa: E731
         what = "constant or dead sites"
-        _, got_v = _split_linear({normalize(k): None for k in dl.keys()})
+        _, got_v = _split_linear({normalize(k): None for k in dl})
         if got_v and not self.strict_keys:  # a while_loop: jax.jvp's keys (law 1)
             self.leaves(law, dl, {k: k for k in got_v}, want)
             self.leaves(law, dl, {k: ("jvp", *k) for k in self.slices}, tan, dead, what)
@@ -584,7 +604,7 @@ def check_all(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL, atol: 
     ``AssertionError``; otherwise a ``LawReport`` says what ran.
     """
     run = _Runner(laws)
-    kw = dict(tag=tag, rtol=rtol, atol=atol)
+    kw: dict[str, Any] = dict(tag=tag, rtol=rtol, atol=atol)
     labelled, forward_skip, reverse_skip = _what_applies(f, args, tag)
     label_skip = "keys carry labels (f differentiates inside)" if labelled else None
     run(1, lambda: check_linearize(f, *args, **kw), label_skip or forward_skip)
@@ -599,7 +619,7 @@ def check_all(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL, atol: 
     run(4, lambda: check_jit(f, *args, **kw))
     run(5, lambda: check_vjp(f, *args, **kw), label_skip or reverse_skip)
     run(6, lambda: check_roundtrip(f, *args, **kw))
-    run(7, lambda: check_lazy(f, *args, slices=slices, forward=forward_skip is None,
+    run(7, lambda: check_lazy(f, *args, slices=slices or {}, forward=forward_skip is None,
                               perturb=perturb if reverse_skip is None else None, **kw),
         None if slices is not None else "needs slices= (the sites written with JAX alone)")
     run(8, lambda: check_compute(f, *args, **kw))

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,22 @@ import numpy as np
 from lazyharvest.keys import Key
 from lazyharvest.testing._oracle import Interpreter
 from lazyharvest.testing.statements import (
-    B, N, Bin, Cond, Jit, Lin, Op, Output, Red, Remat, Scan, Scope, Sow, While)
+    B,
+    Bin,
+    Cond,
+    Jit,
+    Lin,
+    N,
+    Op,
+    Output,
+    Red,
+    Remat,
+    Scan,
+    Scope,
+    Sow,
+    While,
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Program:
@@ -44,7 +60,7 @@ class Program:
             def program(x: Any, p: Any) -> Any:
                 return Interpreter(self, True).run((x, p))[0]
         else:
-            def program(x: Any) -> Any:  # type: ignore[misc]
+            def program(x: Any) -> Any:
                 return Interpreter(self, True).run((x,))[0]
         program.__qualname__ = program.__name__ = "random_program"
         return program

@@ -8,7 +8,8 @@ Variables are ``f32[N]`` vectors or ``f32[]`` scalars.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

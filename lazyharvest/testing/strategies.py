@@ -7,13 +7,30 @@ the checkers work without it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from lazyharvest.testing.random_programs import Program
 from lazyharvest.testing.stacks import Stack, Transform
 from lazyharvest.testing.statements import (
-    BINARY, CONSTRUCTS, N, REDUCE, UNARY, Bin, Cond, Jit, Lin, Op, Output, Red, Remat, Scan,
-    Scope, Sow, While)
+    BINARY,
+    CONSTRUCTS,
+    REDUCE,
+    UNARY,
+    Bin,
+    Cond,
+    Jit,
+    Lin,
+    N,
+    Op,
+    Output,
+    Red,
+    Remat,
+    Scan,
+    Scope,
+    Sow,
+    While,
+)
 
 
 def _strategies() -> Any:
