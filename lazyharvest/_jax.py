@@ -21,7 +21,7 @@ from jax._src.interpreters import partial_eval as _pe
 from jax.api_util import debug_info as _debug_info
 from jax.api_util import flatten_fun_nokwargs as _flatten_fun_nokwargs
 from jax.extend import linear_util as lu
-from jax.extend.core import (
+from jax.extend.core import (  # noqa: F401  (re-exported to the package)
     ClosedJaxpr,
     Effect,
     Jaxpr,
@@ -31,15 +31,8 @@ from jax.extend.core import (
     Var,
     new_jaxpr_eqn,
 )
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad, batching, mlir  # noqa: F401  (re-exported)
 from jax.interpreters import partial_eval as pe
-
-__all__ = [
-    "ClosedJaxpr", "Effect", "Jaxpr", "JaxprEqn", "Literal", "Primitive", "Var",
-    "ad", "batching", "mlir", "pe", "lu", "new_jaxpr_eqn",
-    "jit_p", "scan_p", "while_p", "cond_p", "remat_p", "closed_call_p", "call_p",
-    "custom_jvp_call_p", "custom_vjp_call_p", "shard_map_p",
-]
 
 Zero = ad.Zero
 UNSPECIFIED = _sharding_impls.UNSPECIFIED

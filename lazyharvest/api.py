@@ -106,6 +106,11 @@ def reap(f: Callable, *, tag: Hashable, allowlist: Iterable[Any] | None = None,
       behave as the identity.
     - `exclusive`: if `True`, sites of other tags inside `f` are hidden from
       harvests outside this one.
+    - `static_argnums`, `static_argnames`: arguments passed by value, as
+      `jax.jit`'s: they must be hashable and are part of the cache key.
+      Leaves of other arguments that are not arrays (functions, strings,
+      Python bools such as a `train` flag, an Equinox module's non-array
+      fields) are static the same way; Python numbers are traced.
 
     **Returns:**
 
@@ -162,17 +167,11 @@ def call_and_reap(f: Callable, *, tag: Hashable,
 
     **Arguments:**
 
-    - `f`: the function to harvest; any JAX code may run inside it. Its
-      arguments are pytrees of arrays.
-    - `tag`: the tag of the sites to take.
-    - `allowlist`: if given, only the sites it names are taken: names, or
-      scoped keys `(*scopes, name)` for sites inside `nest`. The others behave
-      as the identity.
-    - `blocklist`: sites it names (names or scoped keys) are not taken and
-      behave as the identity.
-    - `exclusive`: if `True`, sites of other tags inside `f` are hidden from
-      harvests outside this one; otherwise they are sown again by the program
-      that computes the output, so an outer harvest of their tag sees them.
+    - `f`: the function to harvest.
+    - `tag`, `allowlist`, `blocklist`, `exclusive`, `static_argnums`,
+      `static_argnames`: as for `reap`. Sites of other tags are sown again by
+      the program computing the output, so an outer harvest of their tag sees
+      them (unless `exclusive`).
 
     **Returns:**
 
@@ -215,16 +214,13 @@ def plant(f: Callable, *, tag: Hashable, allowlist: Iterable[Any] | None = None,
 
     **Arguments:**
 
-    - `f`: the function to plant into; any JAX code may run inside it. Its
-      arguments are pytrees of arrays.
-    - `tag`: the tag of the sites to plant.
-    - `allowlist`: if given, only the sites it names can be planted: names,
-      or scoped keys `(*scopes, name)` for sites inside `nest`. A plant for a
-      site filtered out is ignored.
-    - `blocklist`: sites it names (names or scoped keys) are not planted; a
-      plant for them is ignored.
-    - `exclusive`: if `True`, sites of other tags inside `f` are hidden from
-      harvests outside this one.
+    - `f`: the function to plant into.
+    - `tag`, `allowlist`, `blocklist`, `exclusive`, `static_argnums`,
+      `static_argnames`: as for `reap`; a plant for a filtered-out site is
+      ignored.
+    - `mode`: `"replace"` (the planted value replaces the sown one) or `"add"`
+      (it is added to it, broadcasting like `jnp`: a `(D,)` steering vector
+      into a `(B, T, D)` site).
 
     **Returns:**
 
@@ -275,16 +271,9 @@ def harvest(f: Callable, *, tag: Hashable, allowlist: Iterable[Any] | None = Non
 
     **Arguments:**
 
-    - `f`: the function to harvest; any JAX code may run inside it. Its
-      arguments are pytrees of arrays.
-    - `tag`: the tag of the sites to plant and take.
-    - `allowlist`: if given, only the sites it names are planted and taken:
-      names, or scoped keys `(*scopes, name)` for sites inside `nest`. The
-      others behave as the identity, and a plant for them is ignored.
-    - `blocklist`: sites it names (names or scoped keys) are neither planted
-      nor taken.
-    - `exclusive`: if `True`, sites of other tags inside `f` are hidden from
-      harvests outside this one.
+    - `f`: the function to harvest and plant into.
+    - `tag`, `allowlist`, `blocklist`, `exclusive`, `static_argnums`,
+      `static_argnames`, `mode`: as for `reap` and `plant`.
 
     **Returns:**
 

@@ -72,6 +72,14 @@ _DIFFERENTIAL_SEEN = ("Leaving it out gives the site's plain (primal) value. Whe
                       "two keys would collide (`lh.grad(lh.grad(f))`), the unchosen "
                       "levels are spelled `\"~{name}\"`; `d.keys()` shows the keys.")
 
+# Every example starts from the same site: f(x) = x**3 sown as "x3", plus 1.
+_F = """\
+>>> import jax.numpy as jnp
+>>> import lazyharvest as lh
+>>> def f(x):
+...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+"""
+
 _DOCS: dict[str, dict[str, str]] = {
     "grad": dict(
         summary="the gradient, and the gradient of each site.",
@@ -79,10 +87,7 @@ _DOCS: dict[str, dict[str, str]] = {
                "respect to `argnums` (its Jacobian, as `jacrev` would, when the site "
                "is not a scalar). " + _DIFFERENTIAL_SEEN,
         returns=": the function computing the gradient of `fun`",
-        example="""\
->>> import lazyharvest as lh
->>> def f(x):
-...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+        example=_F + """\
 >>> print(lh.grad(f)(2.))
 12.0
 >>> d = lh.reap(lh.grad(f), tag="t")(2.)
@@ -94,10 +99,7 @@ _DOCS: dict[str, dict[str, str]] = {
                "slice with respect to `argnums` (not a pair; the value is the key "
                "without the label). " + _DIFFERENTIAL_SEEN,
         returns=": the function computing `(value, gradient)`",
-        example="""\
->>> import lazyharvest as lh
->>> def f(x):
-...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+        example=_F + """\
 >>> value, g = lh.value_and_grad(f)(2.)
 >>> print(value, g)
 9.0 12.0
@@ -109,11 +111,7 @@ _DOCS: dict[str, dict[str, str]] = {
         chosen="Choosing `\"jacfwd\"` gives the Jacobian of the site's slice with "
                "respect to `argnums`, in forward mode. " + _DIFFERENTIAL_SEEN,
         returns=": the function computing the Jacobian of `fun`",
-        example="""\
->>> import jax.numpy as jnp
->>> import lazyharvest as lh
->>> def f(x):
-...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+        example=_F + """\
 >>> d = lh.reap(lh.jacfwd(f), tag="t")(jnp.array([1., 2.]))
 >>> print(d["x3"])
 [1. 8.]
@@ -125,11 +123,7 @@ _DOCS: dict[str, dict[str, str]] = {
         chosen="Choosing `\"jacrev\"` gives the Jacobian of the site's slice with "
                "respect to `argnums`, in reverse mode. " + _DIFFERENTIAL_SEEN,
         returns=": the function computing the Jacobian of `fun`",
-        example="""\
->>> import jax.numpy as jnp
->>> import lazyharvest as lh
->>> def f(x):
-...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+        example=_F + """\
 >>> d = lh.reap(lh.jacrev(f), tag="t")(jnp.ones(3))
 >>> print(d["jacrev", "x3"])
 [[3. 0. 0.]
@@ -140,10 +134,7 @@ _DOCS: dict[str, dict[str, str]] = {
         chosen="Choosing `\"hessian\"` gives `jax.hessian` of the site's slice "
                "with respect to `argnums`. " + _DIFFERENTIAL_SEEN,
         returns=": the function computing the Hessian of `fun`",
-        example="""\
->>> import lazyharvest as lh
->>> def f(x):
-...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+        example=_F + """\
 >>> d = lh.reap(lh.hessian(f), tag="t")(2.)
 >>> print(d["x3"], d["hessian", "x3"])
 8.0 12.0"""),
@@ -158,11 +149,7 @@ _DOCS: dict[str, dict[str, str]] = {
         returns=": the batched function",
         raises=" Collectives over `axis_name` inside `fun` are not supported while "
                "a harvest is traced.",
-        example="""\
->>> import jax.numpy as jnp
->>> import lazyharvest as lh
->>> def f(x):
-...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+        example=_F + """\
 >>> d = lh.reap(lh.vmap(f, in_axes=0, out_axes=-1), tag="t")(jnp.ones((3, 7)))
 >>> print(d["x3"].shape, d["vmap", "x3"].shape)
 (7, 3) (7, 3)"""),
@@ -172,11 +159,7 @@ _DOCS: dict[str, dict[str, str]] = {
                "one leaf, the site's value.",
         returns=": the jitted function, with the attributes of `jax.jit`'s "
                 "(`lower`, `trace`, ...)",
-        example="""\
->>> import jax.numpy as jnp
->>> import lazyharvest as lh
->>> def f(x):
-...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+        example=_F + """\
 >>> d = lh.reap(lh.jit(lh.vmap(lh.grad(f))), tag="t")(jnp.array([2., 3.]))
 >>> print(d["x3"], d["grad", "x3"], d["grad", "vmap", "jit", "x3"])
 [ 8. 27.] [12. 27.] [12. 27.]"""),
@@ -185,10 +168,7 @@ _DOCS: dict[str, dict[str, str]] = {
         chosen="Choosing `\"jvp\"` gives the site's tangent for the call's "
                "`tangents`; leaving it out gives the site's plain (primal) value.",
         returns=": `(primals_out, tangents_out)`, and `aux` when `has_aux=True`",
-        example="""\
->>> import lazyharvest as lh
->>> def f(x):
-...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+        example=_F + """\
 >>> d = lh.reap(lambda x: lh.jvp(f, (x,), (1.,)), tag="t")(2.)
 >>> print(d["x3"], d["jvp", "x3"])
 8.0 12.0"""),
@@ -199,10 +179,7 @@ _DOCS: dict[str, dict[str, str]] = {
                "it out gives the site's plain (primal) value. The returned linear "
                "function is JAX's, built for `fun` without its sites.",
         returns=": `(primals_out, f_jvp)`, and `aux` when `has_aux=True`",
-        example="""\
->>> import lazyharvest as lh
->>> def f(x):
-...     return lh.sow(x ** 3, tag="t", name="x3") + 1
+        example=_F + """\
 >>> d = lh.reap(lambda x: lh.linearize(f, x)[0], tag="t")(2.)
 >>> print(d["x3"], d["linearize", "x3"])
 8.0 12.0
@@ -217,15 +194,16 @@ _DOCS: dict[str, dict[str, str]] = {
                "without its sites.",
         returns=": `(primals_out, f_vjp)`, and `aux` when `has_aux=True`",
         example="""\
+>>> import jax.numpy as jnp
 >>> import lazyharvest as lh
->>> def f(x):
-...     return lh.sow(x ** 3, tag="t", name="x3") + 1
->>> d = lh.reap(lambda x: lh.vjp(f, x)[0], tag="t")(2.)
->>> print(d["x3"], d["vjp", "x3"])
-8.0 12.0
->>> out, f_vjp = lh.vjp(f, 2.)
->>> print(out, f_vjp(1.)[0])
-9.0 12.0"""),
+>>> def g(x, y):
+...     return jnp.sum(lh.sow(x * y, tag="t", name="xy"))
+>>> d = lh.reap(lambda x, y: lh.vjp(g, x, y)[0], tag="t")(jnp.ones(2), 3.)
+>>> print(d["vjp", "xy"][0].shape, d["vjp", "xy"][1].shape)  # d xy / d x, d xy / d y
+(2, 2) (2,)
+>>> out, g_vjp = lh.vjp(g, jnp.ones(2), 3.)
+>>> print(out, g_vjp(1.)[1])
+6.0 2.0"""),
 }
 
 
@@ -374,28 +352,26 @@ def _without_sites(fun: Callable, primals: tuple) -> Callable:
     return plain
 
 
-def linearize(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
-    # docstring: _DOCS["linearize"], set at the end of the module. The primal
-    # computation is recorded; the returned linear function is JAX's, of the
-    # function without sites.
+def _primal_recorded(name: str, jax_fn: Callable, fun: Callable, primals: tuple,
+                     has_aux: bool) -> Any:
+    """`jax_fn(fun, *primals)` (linearize or vjp) whose primal computation is
+    recorded; the returned linear or backward function is JAX's, of `fun`
+    without its sites."""
     if not _recording():
-        return jax.linearize(fun, *primals, has_aux=has_aux)  # type: ignore[call-overload]
-    out = record("linearize", fun, {"has_aux": has_aux}, primals, {})
-    lin = jax.linearize(_without_sites(fun, primals), *primals,  # type: ignore[call-overload]
-                         has_aux=has_aux)
-    return (out[0], lin[1], out[1]) if has_aux else (out, lin[1])
+        return jax_fn(fun, *primals, has_aux=has_aux)
+    out = record(name, fun, {"has_aux": has_aux}, primals, {})
+    made = jax_fn(_without_sites(fun, primals), *primals, has_aux=has_aux)
+    return (out[0], made[1], out[1]) if has_aux else (out, made[1])
+
+
+def linearize(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
+    # docstring: _DOCS["linearize"], set at the end of the module
+    return _primal_recorded("linearize", jax.linearize, fun, primals, has_aux)
 
 
 def vjp(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
-    # docstring: _DOCS["vjp"], set at the end of the module. The primal
-    # computation is recorded; the returned backward function is JAX's, of the
-    # function without sites.
-    if not _recording():
-        return jax.vjp(fun, *primals, has_aux=has_aux)  # type: ignore[call-overload]
-    out = record("vjp", fun, {"has_aux": has_aux}, primals, {})
-    back = jax.vjp(_without_sites(fun, primals), *primals,  # type: ignore[call-overload]
-                   has_aux=has_aux)
-    return (out[0], back[1], out[1]) if has_aux else (out, back[1])
+    # docstring: _DOCS["vjp"], set at the end of the module
+    return _primal_recorded("vjp", jax.vjp, fun, primals, has_aux)
 
 
 jvp.__doc__ = _doc("jvp", jvp)

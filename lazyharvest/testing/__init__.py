@@ -20,41 +20,13 @@ from lazyharvest.keys import Key
 from lazyharvest.testing._compare import ATOL, RTOL
 from lazyharvest.testing._sites import LABELS, SiteInfo, site_info, split_labels
 from lazyharvest.testing.laws import (
-    LAWS,
-    LawReport,
-    check_all,
-    check_compute,
-    check_jit,
-    check_jvp,
-    check_lazy,
-    check_linearize,
-    check_nest,
-    check_roundtrip,
-    check_vjp,
-    check_vmap,
-)
+    LAWS, LawReport, check_all, check_compute, check_jit, check_jvp, check_lazy,
+    check_linearize, check_nest, check_roundtrip, check_vjp, check_vmap)
 from lazyharvest.testing.random_programs import Program
 from lazyharvest.testing.stacks import DIFFERENTIAL, STRUCTURAL, Stack, Transform
 from lazyharvest.testing.statements import (
-    BINARY,
-    CONSTRUCTS,
-    REDUCE,
-    UNARY,
-    B,
-    Bin,
-    Cond,
-    Jit,
-    Lin,
-    N,
-    Op,
-    Output,
-    Red,
-    Remat,
-    Scan,
-    Scope,
-    Sow,
-    While,
-)
+    BINARY, CONSTRUCTS, REDUCE, UNARY, B, Bin, Cond, Jit, Lin, N, Op, Output, Red,
+    Remat, Scan, Scope, Sow, While)
 from lazyharvest.testing.strategies import inputs, programs, transform_stacks
 
 __all__ = [

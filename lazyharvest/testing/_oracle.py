@@ -18,23 +18,8 @@ from jax import lax
 import lazyharvest as lh
 from lazyharvest.keys import normalize
 from lazyharvest.testing.statements import (
-    BINARY,
-    REDUCE,
-    UNARY,
-    Bin,
-    Cond,
-    Jit,
-    Lin,
-    N,
-    Op,
-    Output,
-    Red,
-    Remat,
-    Scan,
-    Scope,
-    Sow,
-    While,
-)
+    BINARY, REDUCE, UNARY, Bin, Cond, Jit, Lin, N, Op, Output, Red, Remat, Scan, Scope,
+    Sow, While)
 
 
 class Description(Protocol):

@@ -19,30 +19,11 @@ import jax.numpy as jnp
 import lazyharvest as lh
 from lazyharvest.keys import Key, display, normalize
 from lazyharvest.testing._compare import (
-    ATOL,
-    RTOL,
-    compare,
-    compare_dicts,
-    guard,
-    missing,
-    only_on_left,
-    same_keys,
-)
+    ATOL, RTOL, compare, compare_dicts, guard, missing, only_on_left, same_keys)
 from lazyharvest.testing._sites import (
-    Evidence,
-    default_keys,
-    flat,
-    get_nested,
-    reaped,
-    split_labels,
-)
+    Evidence, default_keys, flat, get_nested, reaped, split_labels)
 from lazyharvest.testing._values import (
-    all_zero,
-    float_leaves,
-    is_float,
-    random_like,
-    zeros_like_tree,
-)
+    all_zero, float_leaves, is_float, random_like, zeros_like_tree)
 from lazyharvest.testing.stacks import Stack
 
 #: Law number -> (short name, statement).

@@ -17,21 +17,7 @@ import numpy as np
 from lazyharvest.keys import Key
 from lazyharvest.testing._oracle import Interpreter
 from lazyharvest.testing.statements import (
-    B,
-    Bin,
-    Cond,
-    Jit,
-    Lin,
-    N,
-    Op,
-    Output,
-    Red,
-    Remat,
-    Scan,
-    Scope,
-    Sow,
-    While,
-)
+    B, Bin, Cond, Jit, Lin, N, Op, Output, Red, Remat, Scan, Scope, Sow, While)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -75,7 +75,8 @@ class Lin:
 
 @dataclasses.dataclass(frozen=True)
 class Red:
-    """``REDUCE[fn](v[src])``: a vector to a scalar."""
+    """``REDUCE[fn](v[src])``: a vector to a scalar (a loss, a norm), so that
+    programs have scalar outputs to differentiate."""
 
     fn: str
     src: int

@@ -13,24 +13,8 @@ from typing import Any
 from lazyharvest.testing.random_programs import Program
 from lazyharvest.testing.stacks import Stack, Transform
 from lazyharvest.testing.statements import (
-    BINARY,
-    CONSTRUCTS,
-    REDUCE,
-    UNARY,
-    Bin,
-    Cond,
-    Jit,
-    Lin,
-    N,
-    Op,
-    Output,
-    Red,
-    Remat,
-    Scan,
-    Scope,
-    Sow,
-    While,
-)
+    BINARY, CONSTRUCTS, REDUCE, UNARY, Bin, Cond, Jit, Lin, N, Op, Output, Red, Remat,
+    Scan, Scope, Sow, While)
 
 
 def _strategies() -> Any:
