@@ -10,7 +10,9 @@ the jaxpr, so only the slice that produces those values is compiled.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -32,19 +34,35 @@ PROGRAM_CACHE_SIZE = 64
 TRACE_CACHE_SIZE = 16
 
 
+COMPILE_NOTICE_SECONDS = 2.0
+logger = logging.getLogger("lazyharvest")
+
+
 class Program:
     """Compiled slice: `(*args, *plant leaves) -> (*outs?, *site leaves)`."""
 
-    def __init__(self, jaxpr: _jax.Jaxpr, consts: list):
+    def __init__(self, jaxpr: _jax.Jaxpr, consts: list, what: str = "a leaf"):
         self.jaxpr = jaxpr
         self.consts = consts
+        self.what = what
         self.fn = jax.jit(self._eval)
+        self.first = True
 
     def _eval(self, *flat):
         return _jax.eval_jaxpr(self.jaxpr, self.consts, *flat)
 
     def __call__(self, *flat):
-        return self.fn(*flat)
+        if not self.first:
+            return self.fn(*flat)
+        self.first = False
+        start = time.perf_counter()
+        out = self.fn(*flat)
+        took = time.perf_counter() - start
+        if took > COMPILE_NOTICE_SECONDS and not _jax.any_tracer(flat):
+            # Silent by default; logging.getLogger("lazyharvest").setLevel(INFO).
+            logger.info("lazyharvest: compiling %s took %.1f s (%d eqns)",
+                        self.what, took, len(self.jaxpr.eqns))
+        return out
 
 
 @attrs.frozen
@@ -157,7 +175,9 @@ class Traced:
             return [*outs, *site] if with_out else site
 
         jaxpr, consts = _jax.trace_flat(fn, [*self.in_avals, *plants.avals])
-        return Program(slicing.dce(jaxpr, [True] * len(jaxpr.outvars)), consts)
+        what = ", ".join(str(keys_mod.display(self.key_of[k][0])) for k in raw_keys)
+        what = ("the output" + (f" and {what}" if what else "")) if with_out else what
+        return Program(slicing.dce(jaxpr, [True] * len(jaxpr.outvars)), consts, what)
 
 
 def _site_names(jaxpr: _jax.Jaxpr, tag: Any, names: set, tags: set) -> tuple[set, set]:

@@ -116,8 +116,9 @@ class Run:
         if mode == "strict":
             raise HarvestError(
                 f"{where}: sown twice in one run with mode='strict'. Give each "
-                f"sow its own name, or use mode='clobber' (keep the last) or "
-                f"mode='append' (stack them).")
+                f"sow its own name (for a block called repeatedly, wrap each call "
+                f"in lh.nest(block, scope=...)), or use mode='clobber' (keep the "
+                f"last) or mode='append' (stack them).")
         if mode == "clobber":
             old.chunks = [list(leaves)]
             return

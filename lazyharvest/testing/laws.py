@@ -10,6 +10,7 @@ writes), never from the harvest being checked.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -545,8 +546,9 @@ def _what_applies(f: Callable, args: Sequence[Any],
 class _Runner:
     """Runs the chosen laws one by one, so that every failure is reported."""
 
-    def __init__(self, laws: Iterable[int]):
+    def __init__(self, laws: Iterable[int], verbose: bool = False):
         self.laws = set(laws)
+        self.verbose = verbose
         self.results: dict[int, str] = {}
         self.failures: list[str] = []
 
@@ -555,14 +557,19 @@ class _Runner:
             return
         if skip:
             self.results[n] = f"skipped: {skip}"
-            return
-        try:
-            thunk()
-        except AssertionError as e:
-            self.failures.append(str(e))
-            self.results[n] = "failed"
         else:
-            self.results[n] = "passed"
+            start = time.perf_counter()
+            try:
+                thunk()
+            except AssertionError as e:
+                self.failures.append(str(e))
+                self.results[n] = "failed"
+            else:
+                self.results[n] = "passed"
+            took = time.perf_counter() - start
+        if self.verbose:  # one line per law, as it finishes: long runs show progress
+            when = "" if skip else f" ({took:.1f} s)"
+            print(f"law {n} ({LAWS[n][0]}): {self.results[n]}{when}", flush=True)
 
     def report(self) -> LawReport:
         if self.failures:
@@ -573,7 +580,8 @@ class _Runner:
 def check_all(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL, atol: float = ATOL,
               slices: Mapping[Any, Callable] | None = None, perturb: Callable | None = None,
               vmap_axes: Sequence[tuple[Any, Any]] = ((0, 0), (0, -1)),
-              scope: str = "law9", laws: Iterable[int] = tuple(LAWS)) -> LawReport:
+              scope: str = "law9", laws: Iterable[int] = tuple(LAWS),
+              verbose: bool = False) -> LawReport:
     """Runs every law of docs/laws.md that applies to ``f`` at ``args``.
 
     Laws 1, 2 (forward mode) need floating inputs and outputs; law 5 needs
@@ -582,9 +590,10 @@ def check_all(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL, atol: 
     ``lh.vmap`` and runs for each ``(in_axes, out_axes)`` in ``vmap_axes`` on
     two stacked copies of ``args``; law 7 needs ``slices`` (and ``perturb``
     for the cotangent keys). Every failing law is reported in one
-    ``AssertionError``; otherwise a ``LawReport`` says what ran.
+    ``AssertionError``; otherwise a ``LawReport`` says what ran. With
+    ``verbose``, one line per law is printed as it finishes (time, result).
     """
-    run = _Runner(laws)
+    run = _Runner(laws, verbose)
     kw: dict[str, Any] = dict(tag=tag, rtol=rtol, atol=atol)
     labelled, forward_skip, reverse_skip = _what_applies(f, args, tag)
     label_skip = "keys carry labels (f differentiates inside)" if labelled else None
