@@ -229,10 +229,7 @@ class DelayedDict(Mapping):
         values = self._store.force([self._leaves[k] for k in wanted])
         out: dict = {}
         for k in wanted:
-            node = out
-            for part in k[:-1]:
-                node = node.setdefault(part, {})
-            node[k[-1]] = values[self._leaves[k]]
+            _nest(out, k, values[self._leaves[k]])
         return out
 
     def lower(self, *keys: Any) -> Any:
@@ -256,7 +253,16 @@ class DelayedDict(Mapping):
                     [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in sites[r].avals])
                 for k, r in ((k, self._leaves[k]) for k in self._canonical)}
 
-    # -- not an array -----------------------------------------------------------
+    # -- not an array, not copyable -----------------------------------------------
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a DelayedDict holds a traced program and its arguments and cannot be "
+            "pickled or copied; save or copy d.compute() (a plain dict of arrays).")
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        return self.__reduce_ex__(None)
+
 
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(self._not_an_array())
@@ -315,11 +321,7 @@ class DelayedDict(Mapping):
         sites = self._store.traced.sites
         for k in self._canonical:
             r = self._leaves[k]
-            node = out
-            for part in k[:-1]:
-                node = node.setdefault(part, {})
-            node[k[-1]] = (_Shown(values[r]) if r in values
-                           else _Pending(sites[r].avals))
+            _nest(out, k, _Shown(values[r]) if r in values else _Pending(sites[r].avals))
         return out
 
     def __repr__(self) -> str:
@@ -349,6 +351,23 @@ class DelayedDict(Mapping):
         """
         from lazyharvest import display
         return display.summary(self, compute=compute)
+
+
+def _nest(out: dict, key: tuple, value: Any) -> None:
+    """Puts `value` at `key` in a dict nested by key parts. A key that is both
+    a leaf and a prefix of others (a site named like a scope) cannot nest:
+    it goes at the top level, under its whole tuple."""
+    node = out
+    for part in key[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            out[key] = value
+            return
+        node = nxt
+    if isinstance(node.get(key[-1]), dict):
+        out[key] = value
+    else:
+        node[key[-1]] = value
 
 
 def _same_avals(a: tuple, b: tuple) -> bool:
@@ -396,6 +415,8 @@ class _Raw:
 def _short(x: Any) -> str:
     if _jax.is_tracer(x):
         return f"<traced {jax.typeof(x).str_short(short_dtypes=True)}>"
+    if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+        return f"<{jax.typeof(x).str_short(short_dtypes=True)}>"  # no numbers to show
     a = np.asarray(x)
     if a.size <= 8:
         if np.issubdtype(a.dtype, np.floating):  # 6 significant digits, as float32 has

@@ -110,4 +110,27 @@ def assign(raw_keys: Iterable[tuple]) -> dict[tuple, list[Key]]:
         unique = [k for k in short[r] if count[k] == 1]
         out[r] = unique or [(*labels, *r[1], r[2])
                             for labels in _alternatives(trimmed[r], True)]
+    return _separate(out, trimmed)
+
+
+SEPARATOR = "|"
+"""Stands between the labels and the scopes of a key when scopes or names
+spelled like labels would otherwise make two sites share one."""
+
+
+def _separate(out: dict, trimmed: dict) -> dict:
+    """Every key names one site: a key still shared (a scope called "vjp"
+    next to a cotangent) is dropped from the sites sharing it, and a site left
+    without a key gets the spelled key with `SEPARATOR` after its labels."""
+    owners: dict[Key, list] = {}
+    for r, ks in out.items():
+        for k in ks:
+            owners.setdefault(k, []).append(r)
+    shared = {k for k, rs in owners.items() if len(rs) > 1}
+    if not shared:
+        return out
+    for r in out:
+        kept = [k for k in out[r] if k not in shared]
+        out[r] = kept or [(*labels, SEPARATOR, *r[1], r[2])
+                          for labels in _alternatives(trimmed[r], True)]
     return out

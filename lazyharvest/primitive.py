@@ -151,6 +151,10 @@ _jax.register_remat_rule(sow_p, _remat_partial_eval)
 
 
 def _check_leaf(leaf: Any, tag: Hashable, name: str) -> Any:
+    if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind not in "biufcV":
+        raise HarvestError(
+            f"sow(tag={tag!r}, name={name!r}): a sown value must hold numbers, got "
+            f"a numpy array of dtype {leaf.dtype}. Sow numeric arrays only.")
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or _jax.is_tracer(leaf):
         return leaf
     if isinstance(leaf, (bool, int, float, complex)):

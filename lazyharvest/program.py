@@ -10,6 +10,7 @@ the jaxpr, so only the slice that produces those values is compiled.
 from __future__ import annotations
 
 import collections
+import inspect
 import logging
 import threading
 import time
@@ -193,11 +194,26 @@ def _site_names(jaxpr: _jax.Jaxpr, tag: Any, names: set, tags: set) -> tuple[set
     return names, tags
 
 
+def _check_output(out: Any, harvest: Harvest, f: Callable) -> Any:
+    """A harvested function returns a pytree of arrays (like a jitted one)."""
+    if inspect.isgenerator(out):
+        out = [out]  # reported below, before JAX flattens it (a deprecated leaf)
+    for leaf in jax.tree_util.tree_leaves(out, is_leaf=inspect.isgenerator):
+        if not (hasattr(leaf, "aval") or isinstance(leaf, (*_ARRAY_TYPES, bool))):
+            what = ("a generator (harvested functions must return their values)"
+                    if inspect.isgenerator(leaf) else f"a {type(leaf).__name__}")
+            raise HarvestError(
+                f"harvest of tag {harvest.tag!r}: {getattr(f, '__name__', f)!r} returned "
+                f"{what}; a harvested function returns a pytree of arrays. Return "
+                f"arrays, and pass other values out through a closure.")
+    return out
+
+
 def trace(f: Callable, harvest: Harvest, spec: ArgSpec, in_avals: tuple) -> Traced:
     """Traces `f` abstractly once and finds its sites (no FLOPs)."""
     def call(*dynamic):
         args, kwargs = spec.rebuild(dynamic)
-        return f(*args, **kwargs)
+        return _check_output(f(*args, **kwargs), harvest, f)
 
     flat_tree = jax.tree_util.tree_structure(tuple(range(len(in_avals))))
     with harvesting(harvest.tag):

@@ -309,11 +309,30 @@ def jit(fun: Callable | None = None, /, **kwargs: Any) -> Any:
 jit.__doc__ = _doc("jit", jax.jit)
 
 
-def _bind_static(fun: Callable, kwargs: dict, args: tuple, fkwargs: dict):
+def _static_names_and_nums(fun: Callable, kwargs: dict) -> tuple[tuple, tuple]:
+    """`jit`'s static arguments by position and by name, each completed from
+    the other through `fun`'s signature, as `jax.jit` does."""
     nums = kwargs.get("static_argnums") or ()
     names = kwargs.get("static_argnames") or ()
     nums = (nums,) if isinstance(nums, int) else tuple(nums)
     names = (names,) if isinstance(names, str) else tuple(names)
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        return nums, names
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    positional = [p.name for p in params
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if "static_argnames" not in kwargs:
+        names = tuple(positional[i] for i in nums if -len(positional) <= i < len(positional)
+                      and positional[i] in named)
+    if "static_argnums" not in kwargs:
+        nums = tuple(positional.index(n) for n in names if n in positional)
+    return nums, names
+
+
+def _bind_static(fun: Callable, kwargs: dict, args: tuple, fkwargs: dict):
+    nums, names = _static_names_and_nums(fun, kwargs)
     nums = tuple(i % len(args) for i in nums if -len(args) <= i < len(args))
     if not nums and not names:
         return fun, args, fkwargs

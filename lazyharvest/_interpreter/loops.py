@@ -18,6 +18,7 @@ from lazyharvest._interpreter.plumbing import (
     PlantOperands,
     invar_avals,
     merge,
+    merge_leading,
     per_site,
     split_list,
     trace_body,
@@ -121,7 +122,7 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, length,
     merge(run, clob, clob_out[:n_clob])
     for s, leaves in zip(app, per_site(app, app_out)):
         # (length, n per iteration, ...) -> (length * n, ...), by iteration index
-        run.record(s.key, "append", s.tree, [x.reshape(-1, *x.shape[2:]) for x in leaves])
+        run.record(s.key, "append", s.tree, [merge_leading(x) for x in leaves])
     return [*carry_out, *ys]
 
 

@@ -43,6 +43,11 @@ def merge(run: Run, sites: Sequence[Site], leaves: Sequence[Any]) -> None:
         run.record(s.key, s.mode, s.tree, ls)
 
 
+def merge_leading(x: Any) -> Any:
+    """(a, b, ...) -> (a * b, ...): stacked appends, row order kept (sizes may be 0)."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
 def zeros(avals: Sequence[Any]) -> list:
     return [jnp.zeros(a.shape, a.dtype) for a in avals]
 
