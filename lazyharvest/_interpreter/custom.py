@@ -59,34 +59,44 @@ def _custom_planted(run: Run, eqn: _jax.JaxprEqn, invals: list,
     stripped = dict(eqn.params, call_jaxpr=strip_sites(run, closed))
     original = lambda *xs: bind(eqn, list(xs), stripped)
     primal = lambda *a: planted(*a)[0]
+    # The leading `num_consts` operands are values the user's function closes
+    # over: like the plants, they are operands the user's rule does not
+    # differentiate.
+    n_c = eqn.params.get("num_consts", 0)
     if eqn.primitive is _jax.custom_jvp_call_p:
-        fun = _with_jvp_of(original, primal, n_in)
+        fun = _with_jvp_of(original, primal, n_c, n_in)
     else:
-        fun = _with_vjp_of(original, primal, n_in)
+        fun = _with_vjp_of(original, primal, n_c, n_in)
     return list(fun(*invals, *ops.leaves))
 
 
-def _with_jvp_of(original: Callable, primal: Callable, n_in: int) -> Callable:
-    """`primal(*xs, *plants)` whose JVP is `original`'s in `xs` (plants: zero)."""
+def _with_jvp_of(original: Callable, primal: Callable, n_c: int, n_in: int) -> Callable:
+    """`primal(*consts, *xs, *plants)` whose JVP is `original`'s in `xs`
+    (consts and plants: zero)."""
     fun = jax.custom_jvp(primal)
 
     def jvp(primals, tangents):
-        _, t_out = jax.jvp(original, primals[:n_in], tangents[:n_in])
+        consts = primals[:n_c]
+        _, t_out = jax.jvp(lambda *xs: original(*consts, *xs),
+                           primals[n_c:n_in], tangents[n_c:n_in])
         return primal(*primals), t_out
     fun.defjvp(jvp)
     return fun
 
 
-def _with_vjp_of(original: Callable, primal: Callable, n_in: int) -> Callable:
-    """`primal(*xs, *plants)` whose VJP is `original`'s in `xs` (plants: zero)."""
+def _with_vjp_of(original: Callable, primal: Callable, n_c: int, n_in: int) -> Callable:
+    """`primal(*consts, *xs, *plants)` whose VJP is `original`'s in `xs`
+    (consts and plants: zero)."""
     fun = jax.custom_vjp(primal)
 
     def fwd(*a: Any):
-        _, vjp = jax.vjp(original, *a[:n_in])
-        return primal(*a), (vjp, a[n_in:])
+        consts = a[:n_c]
+        _, vjp = jax.vjp(lambda *xs: original(*consts, *xs), *a[n_c:n_in])
+        return primal(*a), (vjp, consts, a[n_in:])
 
     def bwd(res, cts):
-        vjp, ps = res
-        return (*vjp(list(cts)), *[jnp.zeros_like(q) for q in ps])
+        vjp, consts, ps = res
+        zeros = lambda qs: [jnp.zeros_like(q) for q in qs]
+        return (*zeros(consts), *vjp(list(cts)), *zeros(ps))
     fun.defvjp(fwd, bwd)
     return fun

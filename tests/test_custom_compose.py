@@ -1,0 +1,62 @@
+"""Plants inside custom_jvp/custom_vjp functions that close over arrays: the
+user's rule stays in force, the plant is a constant for it."""
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.ode import odeint
+
+import lazyharvest as lh
+from helpers import close
+
+W = jnp.array([1.5, -2.0])  # closed over by the custom functions below
+X = jnp.array([0.3, 0.4])
+
+
+@jax.custom_vjp
+def vjp_fn(x):
+    return jnp.sum(lh.sow(jnp.sin(x) * W, tag="t", name="h") ** 2)
+
+
+vjp_fn.defvjp(lambda x: (vjp_fn(x), x), lambda x, g: (g * 7.0 * jnp.ones_like(x),))
+
+
+@jax.custom_jvp
+def jvp_fn(x):
+    return jnp.sum(lh.sow(jnp.sin(x) * W, tag="t", name="h") ** 2)
+
+
+jvp_fn.defjvp(lambda p, t: (jvp_fn(*p), 5.0 * jnp.sum(t[0])))
+
+
+def test_plant_in_custom_vjp_closing_over_arrays_under_grad():
+    c = jnp.ones(2)
+    got = jax.grad(lambda x: lh.plant(vjp_fn, tag="t")({"h": c}, x))(X)
+    close(got, jnp.full(2, 7.0))                     # the user's (deliberately odd) rule
+    close(lh.plant(vjp_fn, tag="t")({"h": c}, X), 2.0)   # sum(c ** 2)
+
+
+def test_plant_in_custom_jvp_closing_over_arrays_under_grad():
+    c = jnp.ones(2)
+    got = jax.grad(lambda x: lh.plant(jvp_fn, tag="t")({"h": c}, x))(X)
+    close(got, jnp.full(2, 5.0))
+    close(lh.reap(jvp_fn, tag="t")(X)["h"], jnp.sin(X) * W)
+
+
+K = jnp.float32(0.7)
+
+
+def dynamics(y, t, a):
+    return lh.sow(-a * y * K, tag="t", name="rate", mode="clobber")
+
+
+def solve(y0, a):
+    return odeint(dynamics, y0, jnp.array([0., 1.]), a)[-1]
+
+
+def test_plant_in_odeint_dynamics():
+    y0, a = jnp.float32(1.0), jnp.float32(2.0)
+    planted = lambda a: lh.plant(solve, tag="t")({"rate": jnp.float32(-0.5)}, y0, a)
+    close(planted(a), 0.5, rtol=1e-4)                 # dy/dt = -0.5 for one unit of time
+    # odeint's adjoint rule stays in force: it differentiates the unplanted solve
+    plain = lambda a: odeint(lambda y, t, a: -a * y * K, y0, jnp.array([0., 1.]), a)[-1]
+    close(jax.grad(planted)(a), jax.grad(plain)(a), rtol=1e-4)
