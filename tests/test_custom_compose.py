@@ -60,3 +60,24 @@ def test_plant_in_odeint_dynamics():
     # odeint's adjoint rule stays in force: it differentiates the unplanted solve
     plain = lambda a: odeint(lambda y, t, a: -a * y * K, y0, jnp.array([0., 1.]), a)[-1]
     close(jax.grad(planted)(a), jax.grad(plain)(a), rtol=1e-4)
+
+
+def test_plant_in_equinox_filter_custom_vjp():
+    eqx = __import__("pytest").importorskip("equinox")
+
+    @eqx.filter_custom_vjp
+    def f(vjp_arg, x):
+        return jnp.sum(lh.sow(jnp.sin(x) * vjp_arg, tag="t", name="h"))
+
+    @f.def_fwd
+    def f_fwd(perturbed, vjp_arg, x):
+        return f(vjp_arg, x), None
+
+    @f.def_bwd
+    def f_bwd(res, g, perturbed, vjp_arg, x):
+        return jnp.full_like(vjp_arg, 3.)           # the user's rule
+
+    w = jnp.array([1., 2.])
+    planted = lambda w: lh.plant(lambda w: f(w, X), tag="t")({"h": jnp.ones(2)}, w)
+    close(planted(w), 2.0)
+    close(jax.grad(planted)(w), jnp.full(2, 3.))

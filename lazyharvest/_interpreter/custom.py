@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from lazyharvest import _jax
 from lazyharvest._interpreter.plumbing import PlantOperands, strip_sites
@@ -85,18 +86,30 @@ def _with_jvp_of(original: Callable, primal: Callable, n_c: int, n_in: int) -> C
 
 
 def _with_vjp_of(original: Callable, primal: Callable, n_c: int, n_in: int) -> Callable:
-    """`primal(*consts, *xs, *plants)` whose VJP is `original`'s in `xs`
-    (consts and plants: zero)."""
+    """`primal(*consts, *xs, *plants)` whose VJP is `original`'s in the `xs` that
+    are perturbed (consts, plants and unperturbed inputs get none: libraries
+    such as Equinox check that their non-differentiated inputs stay so)."""
     fun = jax.custom_vjp(primal)
 
     def fwd(*a: Any):
-        consts = a[:n_c]
-        _, vjp = jax.vjp(lambda *xs: original(*consts, *xs), *a[n_c:n_in])
-        return primal(*a), (vjp, consts, a[n_in:])
+        vals = [x.value for x in a]
+        idx = [i for i in range(n_c, n_in) if a[i].perturbed]
+
+        def part(*ps: Any) -> Any:
+            full = list(vals[:n_in])
+            for i, p in zip(idx, ps):
+                full[i] = p
+            return original(*full)
+        _, vjp = jax.vjp(part, *[vals[i] for i in idx])
+        return primal(*vals), (vjp, idx, len(vals))
 
     def bwd(res, cts):
-        vjp, consts, ps = res
-        zeros = lambda qs: [jnp.zeros_like(q) for q in qs]
-        return (*zeros(consts), *vjp(list(cts)), *zeros(ps))
-    fun.defvjp(fwd, bwd)
+        vjp, idx, n = res
+        cts = [jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c
+               for c in cts]
+        out: list = [None] * n
+        for i, g in zip(idx, vjp(list(cts))):
+            out[i] = g
+        return tuple(out)
+    fun.defvjp(fwd, bwd, symbolic_zeros=True)
     return fun
