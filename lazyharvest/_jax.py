@@ -41,6 +41,8 @@ UNSPECIFIED = _sharding_impls.UNSPECIFIED
 # --- JAX's higher-order primitives, as objects (rule tables are keyed by them) ---
 
 def _primitives() -> dict[str, Primitive]:
+    from jax._src import custom_batching as _custom_batching
+    from jax._src import custom_derivatives as _custom_derivatives
     from jax._src import shard_map as _shard_map
     from jax.extend.core import primitives as _prims
 
@@ -51,6 +53,8 @@ def _primitives() -> dict[str, Primitive]:
         "custom_jvp_call_p": _prims.custom_jvp_call_p,
         "custom_vjp_call_p": _prims.custom_vjp_call_p,
         "shard_map_p": _shard_map.shard_map_p,
+        "custom_vmap_p": _custom_batching.custom_vmap_p,
+        "remat_opt_p": _custom_derivatives.remat_opt_p,
     }
 
 
@@ -65,6 +69,8 @@ call_p = _P["call_p"]
 custom_jvp_call_p = _P["custom_jvp_call_p"]
 custom_vjp_call_p = _P["custom_vjp_call_p"]
 shard_map_p = _P["shard_map_p"]
+custom_vmap_p = _P["custom_vmap_p"]  # jax.custom_batching.custom_vmap / sequential_vmap
+remat_opt_p = _P["remat_opt_p"]  # custom_vjp(optimize_remat=True), once differentiated
 
 
 # --- tracebacks: hide the library's frames from users, as JAX does its own ---
@@ -234,6 +240,8 @@ def shard_map_body_context(mesh: Any, manual_axes: frozenset, check_vma: bool):
     import contextlib
 
     from jax._src import mesh as _mesh
+    from jax._src import custom_batching as _custom_batching
+    from jax._src import custom_derivatives as _custom_derivatives
     from jax._src import shard_map as _shard_map
 
     stack = contextlib.ExitStack()

@@ -81,3 +81,36 @@ def test_plant_in_equinox_filter_custom_vjp():
     planted = lambda w: lh.plant(lambda w: f(w, X), tag="t")({"h": jnp.ones(2)}, w)
     close(planted(w), 2.0)
     close(jax.grad(planted)(w), jnp.full(2, 3.))
+
+
+def test_sites_inside_custom_vmap_are_reaped_and_planted():
+    from jax.custom_batching import custom_vmap
+
+    @custom_vmap
+    def f(x):
+        return lh.sow(jnp.sin(x) * 2, tag="t", name="a") + 1
+
+    @f.def_vmap
+    def rule(axis_size, in_batched, x):
+        return jnp.sin(x) * 2 + 100., True          # the user's rule: must stay
+
+    close(lh.reap(f, tag="t")(1.)["a"], jnp.sin(1.) * 2)
+    close(lh.plant(f, tag="t")({"a": 5.}, 1.), 6.)
+    xs = jnp.arange(3.)
+    out, _ = lh.call_and_reap(jax.vmap(f), tag="t")(xs)
+    close(out, jnp.sin(xs) * 2 + 100.)
+
+
+def test_sites_inside_sequential_vmap():
+    from jax.custom_batching import sequential_vmap
+    s = sequential_vmap(lambda x: lh.sow(x * 3, tag="t", name="s", mode="append"))
+    close(lh.reap(jax.vmap(s), tag="t")(jnp.arange(3.))["s"], jnp.arange(3.) * 3)
+
+
+def test_sites_inside_custom_vjp_with_optimize_remat():
+    g = jax.custom_vjp(lambda x: lh.sow(jnp.sin(x) * 3, tag="t", name="b"))
+    g.defvjp(lambda x: (lh.sow(jnp.sin(x) * 3, tag="t", name="b"), x),
+             lambda r, ct: (ct * jnp.cos(r) * 3,), optimize_remat=True)
+    out, d = lh.call_and_reap(jax.value_and_grad(g), tag="t")(1.)
+    close(d["b"], jnp.sin(1.) * 3)
+    close(out[1], jnp.cos(1.) * 3)

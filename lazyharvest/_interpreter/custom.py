@@ -33,6 +33,31 @@ EVAL_RULES[_jax.custom_jvp_call_p] = _custom
 EVAL_RULES[_jax.custom_vjp_call_p] = _custom
 
 
+def _custom_vmap(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call, **_) -> list:
+    """`custom_vmap`: reaped from an inline copy; the user's batching rule stays
+    for the outputs. A planted call runs its planted body inline (the rule, a
+    statement about the unplanted function, no longer applies)."""
+    counts = count_occurrences(call.jaxpr, run.harvest)
+    if any(k in run.plants for k in counts):
+        return run.eval(call.jaxpr, call.consts, invals)
+    if any(run.want(k) for k in counts):
+        run.eval(call.jaxpr, call.consts, invals)
+    return bind(eqn, invals, dict(eqn.params, call=strip_sites(run, call)))
+
+
+EVAL_RULES[_jax.custom_vmap_p] = _custom_vmap
+
+
+def _remat_opt(run: Run, eqn: _jax.JaxprEqn, invals: list, *, fwd_jaxpr, **_) -> list:
+    """The forward of a `custom_vjp(optimize_remat=True)`, once differentiated:
+    evaluated inline under a harvest (same values and derivatives; the harvested
+    program does not get the remat optimization)."""
+    return run.eval(fwd_jaxpr.jaxpr, fwd_jaxpr.consts, invals)
+
+
+EVAL_RULES[_jax.remat_opt_p] = _remat_opt
+
+
 def _custom_planted(run: Run, eqn: _jax.JaxprEqn, invals: list,
                     closed: _jax.ClosedJaxpr) -> list:
     """A custom_jvp/vjp call with plants inside its primal function.
