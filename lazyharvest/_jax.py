@@ -240,8 +240,6 @@ def shard_map_body_context(mesh: Any, manual_axes: frozenset, check_vma: bool):
     import contextlib
 
     from jax._src import mesh as _mesh
-    from jax._src import custom_batching as _custom_batching
-    from jax._src import custom_derivatives as _custom_derivatives
     from jax._src import shard_map as _shard_map
 
     stack = contextlib.ExitStack()
