@@ -250,6 +250,15 @@ def shard_map_body_context(mesh: Any, manual_axes: frozenset, check_vma: bool):
     return stack
 
 
+def axis_env(name_sizes: Sequence[tuple[Any, int]]):
+    """Binds vmap axis names (for collectives) while tracing a per-example body."""
+    import contextlib
+
+    if not name_sizes:
+        return contextlib.nullcontext()
+    return _core.extend_axis_env_nd(list(name_sizes))
+
+
 def varying_axes(aval: Any) -> frozenset:
     """Mesh axes over which a value (given by its aval) varies inside shard_map."""
     mat = getattr(aval, "manual_axis_type", None)

@@ -114,3 +114,26 @@ def test_sites_inside_custom_vjp_with_optimize_remat():
     out, d = lh.call_and_reap(jax.value_and_grad(g), tag="t")(1.)
     close(d["b"], jnp.sin(1.) * 3)
     close(out[1], jnp.cos(1.) * 3)
+
+
+def cube(x):
+    return lh.sow(x ** 3, tag="t", name="x3") + 1
+
+
+def test_vmap_with_axis_name_collectives_while_recording():
+    f = lambda x: lh.sow(x - jax.lax.pmean(x, "i"), tag="t", name="c")
+    x = jnp.arange(4.)
+    d = lh.reap(lh.vmap(f, axis_name="i"), tag="t")(x)
+    close(d["c"], x - jnp.mean(x))
+
+
+def test_jax_transform_around_a_recorded_one_is_a_clear_error():
+    import pytest
+    with pytest.raises(lh.HarvestError, match="lh.jvp, lh.grad, lh.vmap"):
+        lh.reap(lambda x: jax.jvp(lh.grad(cube), (x,), (1.,)), tag="t")(2.)
+    with pytest.raises(lh.HarvestError, match="jax.vmap"):
+        lh.reap(jax.vmap(lh.grad(cube)), tag="t")(jnp.ones(2))
+    # outside a harvest, or with recorded transforms all the way, it works
+    close(jax.vmap(lh.grad(cube))(jnp.ones(2)), jnp.full(2, 3.))
+    d = lh.reap(lh.vmap(lh.grad(cube)), tag="t")(jnp.ones(2))
+    close(d["grad", "x3"], jnp.full(2, 3.))
