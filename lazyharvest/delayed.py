@@ -13,7 +13,7 @@ from lazyharvest import _jax
 from lazyharvest import keys as keys_mod
 from lazyharvest._interpreter import split_list
 from lazyharvest.errors import HarvestError, closest
-from lazyharvest.program import NO_PLANTS, PlantSpec, Traced, flatten_args
+from lazyharvest.program import NO_PLANTS, PlantSpec, Traced, canonical_keys, flatten_args
 
 
 class HarvestKeyError(HarvestError, KeyError):
@@ -102,10 +102,11 @@ class DelayedDict(Mapping):
         self._store = store
         self._prefix = prefix
         n = len(prefix)
-        index = store.traced.key_index(store.plants)
-        self._leaves = index if not n else {
-            k[n:]: r for k, r in index.items() if k[:n] == prefix and k[n:]}
-        self._canonical = _canonical_keys(self._leaves)
+        index, canonical = store.traced.key_index(store.plants)
+        if n:
+            index = {k[n:]: r for k, r in index.items() if k[:n] == prefix and k[n:]}
+            canonical = canonical_keys(index)
+        self._leaves, self._canonical = index, canonical
 
     @classmethod
     def from_trace(cls, traced: Traced, args: list, plants: PlantSpec = NO_PLANTS,
@@ -374,15 +375,6 @@ def _same_avals(a: tuple, b: tuple) -> bool:
     """Equal shapes and dtypes; weak types may differ (a Python float for f32)."""
     return len(a) == len(b) and all(
         x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
-
-
-def _canonical_keys(leaves: dict) -> list:
-    """One key per leaf, the shortest of its aliases, in first-seen order."""
-    best: dict = {}
-    for k, r in leaves.items():
-        if r not in best or len(k) < len(best[r]):
-            best[r] = k
-    return list(best.values())
 
 
 class _Pending:

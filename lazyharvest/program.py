@@ -77,7 +77,7 @@ class PlantEntry:
     add: bool = False  # plant(mode="add"): added to the sown value
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # hashed on every call (program-cache key)
 class PlantSpec:
     """Which sites a call plants, and how: hashable, and free of values.
 
@@ -127,15 +127,15 @@ class Traced:
     indexes: dict = attrs.field(factory=dict)  # PlantSpec -> key index
     lock: Any = attrs.field(factory=threading.RLock)
 
-    def key_index(self, plants: PlantSpec = NO_PLANTS) -> dict:
-        """User key -> RawKey of every leaf a DelayedDict offers (aliases
-        included, planted sites excluded)."""
+    def key_index(self, plants: PlantSpec = NO_PLANTS) -> tuple[dict, list]:
+        """(user key -> RawKey of every leaf a DelayedDict offers, aliases
+        included and planted sites excluded; the canonical keys, in order)."""
         index = self.indexes.get(plants)
         if index is None:
             planted = plants.keys
-            index = {u: r for r, us in self.key_of.items() if r not in planted
-                     for u in us}
-            self.indexes[plants] = index
+            keys = {u: r for r, us in self.key_of.items() if r not in planted
+                    for u in us}
+            index = self.indexes[plants] = (keys, canonical_keys(keys))
         return index
 
     def direct_keys(self, plants: PlantSpec = NO_PLANTS) -> list[RawKey]:
@@ -179,6 +179,15 @@ class Traced:
         what = ", ".join(str(keys_mod.display(self.key_of[k][0])) for k in raw_keys)
         what = ("the output" + (f" and {what}" if what else "")) if with_out else what
         return Program(slicing.dce(jaxpr, [True] * len(jaxpr.outvars)), consts, what)
+
+
+def canonical_keys(leaves: dict) -> list:
+    """One key per leaf, the shortest of its aliases, in first-seen order."""
+    best: dict = {}
+    for k, r in leaves.items():
+        if r not in best or len(k) < len(best[r]):
+            best[r] = k
+    return list(best.values())
 
 
 def _site_names(jaxpr: _jax.Jaxpr, tag: Any, names: set, tags: set) -> tuple[set, set]:

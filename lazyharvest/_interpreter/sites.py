@@ -32,7 +32,7 @@ def describe(key: RawKey) -> str:
     return "/".join(parts + list(scopes) + [name])
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # hashed on every call (trace-cache key)
 class Harvest:
     """What one harvest takes: a tag and name filters."""
 
