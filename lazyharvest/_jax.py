@@ -217,18 +217,17 @@ def bind_params(eqn: JaxprEqn, params: dict | None = None) -> dict:
     return eqn.primitive.get_bind_params(eqn.params if params is None else params)
 
 
-def eqn_context(eqn: JaxprEqn):
-    """The context to re-bind `eqn` in: its source info and name stack (so
-    `jax.named_scope` names reach the HLO) and its JAX eqn context."""
-    import contextlib
-
-    stack = contextlib.ExitStack()
+def eqn_source(eqn: JaxprEqn) -> Any:
+    """The context to re-bind `eqn` in, part 1: its source info and name stack
+    (so `jax.named_scope` names reach the HLO), as `jax.core.eval_jaxpr` does."""
     info = eqn.source_info
-    stack.enter_context(_source_info_util.user_context(
-        info.traceback, name_stack=_source_info_util.current_name_stack()
-        + info.name_stack))
-    stack.enter_context(eqn.ctx.manager)
-    return stack
+    return _source_info_util.user_context(
+        info.traceback, name_stack=_source_info_util.current_name_stack() + info.name_stack)
+
+
+def eqn_context(eqn: JaxprEqn) -> Any:
+    """Part 2: JAX's per-eqn context (compute type, xla metadata, ...)."""
+    return eqn.ctx.manager
 
 
 def effects_of(jaxpr: Jaxpr) -> Any:

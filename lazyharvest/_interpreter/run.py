@@ -152,7 +152,7 @@ class Run:
             env[v] = x
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
-            with _jax.eqn_context(eqn):
+            with _jax.eqn_source(eqn), _jax.eqn_context(eqn):
                 outs = self.eval_eqn(eqn, invals)
             for v, x in zip(eqn.outvars, outs):
                 env[v] = x
