@@ -96,21 +96,17 @@ def reap(f: Callable, *, tag: Hashable, allowlist: Iterable[Any] | None = None,
 
     **Arguments:**
 
-    - `f`: the function to harvest; any JAX code may run inside it (`jit`,
-      `vmap`, `grad`, `scan`, ...). Its arguments are pytrees of arrays.
+    - `f`: the function to harvest; any JAX code may run inside it.
     - `tag`: the tag of the sites to take.
-    - `allowlist`: if given, only the sites it names are taken: names, or
-      scoped keys `(*scopes, name)` for sites inside `nest`. The others behave
-      as the identity.
-    - `blocklist`: sites it names (names or scoped keys) are not taken and
-      behave as the identity.
+    - `allowlist` / `blocklist`: names, or scoped keys `(*scopes, name)` for
+      sites inside `nest`, to take only / not to take; the others behave as
+      the identity.
     - `exclusive`: if `True`, sites of other tags inside `f` are hidden from
       harvests outside this one.
     - `static_argnums`, `static_argnames`: arguments passed by value, as
-      `jax.jit`'s: they must be hashable and are part of the cache key.
-      Leaves of other arguments that are not arrays (functions, strings,
-      Python bools such as a `train` flag, an Equinox module's non-array
-      fields) are static the same way; Python numbers are traced.
+      `jax.jit`'s (hashable, part of the cache key). Leaves that are not
+      arrays (functions, strings, Python bools such as a `train` flag) are
+      static the same way; Python numbers are traced.
 
     **Returns:**
 
@@ -120,9 +116,7 @@ def reap(f: Callable, *, tag: Hashable, allowlist: Iterable[Any] | None = None,
     Calling it traces `f` abstractly, once per argument shapes and dtypes, and
     computes nothing: reading `d[key]` compiles and runs only the slice of
     `f` that computes that leaf; `d.compute()` computes every leaf in one
-    program and returns a dict. The `DelayedDict` is not a pytree: to return
-    reaped values from `jax.jit` (or `jax.jvp`, `jax.vjp`, ...), return
-    `d.compute()`.
+    program. Not a pytree: return `d.compute()` from `jax.jit`.
 
     **Raises:**
 

@@ -165,6 +165,23 @@ def _check_leaf(leaf: Any, tag: Hashable, name: str) -> Any:
         f"Python numbers only.")
 
 
+def _checked_leaves(value: Any, tag: Hashable, name: str, mode: str) -> tuple[list, Any]:
+    """The value's leaves as arrays, and its tree, once the arguments are checked."""
+    if mode not in MODES:
+        raise HarvestError(
+            f"sow(tag={tag!r}, name={name!r}): unknown mode {mode!r}; use one "
+            f"of {', '.join(map(repr, MODES))}.")
+    if not isinstance(name, str):
+        raise HarvestError(
+            f"sow(tag={tag!r}, name={name!r}): the name must be a string.")
+    if value is None:
+        raise HarvestError(
+            f"sow(tag={tag!r}, name={name!r}): cannot sow None; sow an array "
+            f"or a pytree of arrays.")
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    return [_check_leaf(x, tag, name) for x in leaves], tree
+
+
 def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
         key: Any = None) -> Any:
     """Marks `value` as the site `name` of the harvests of `tag`; returns `value`.
@@ -215,19 +232,7 @@ def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
     del key
     if _jax.in_eager_mode() and isinstance(value, jax.Array) and mode in MODES:
         return value  # the common case outside any transformation: nothing to do
-    if mode not in MODES:
-        raise HarvestError(
-            f"sow(tag={tag!r}, name={name!r}): unknown mode {mode!r}; use one "
-            f"of {', '.join(map(repr, MODES))}.")
-    if not isinstance(name, str):
-        raise HarvestError(
-            f"sow(tag={tag!r}, name={name!r}): the name must be a string.")
-    if value is None:
-        raise HarvestError(
-            f"sow(tag={tag!r}, name={name!r}): cannot sow None; sow an array "
-            f"or a pytree of arrays.")
-    leaves, tree = jax.tree_util.tree_flatten(value)
-    leaves = [_check_leaf(x, tag, name) for x in leaves]
+    leaves, tree = _checked_leaves(value, tag, name, mode)
     if not leaves or _jax.in_eager_mode():
         return value
     tags, scopes = _current()
