@@ -137,8 +137,7 @@ def reap(f: Callable, *, tag: Hashable, allowlist: Iterable[Any] | None = None,
     8.0
     >>> print(lh.reap(jax.grad(f), tag="t")(2.)["vjp", "x3"])
     1.0
-    >>> out = jax.jit(lambda x: lh.reap(f, tag="t")(x).compute())(2.)
-    >>> print(out["x3"])
+    >>> print(jax.jit(lambda x: lh.reap(f, tag="t")(x).compute())(2.)["x3"])
     8.0
     """
     h = _harvest(tag, allowlist, blocklist, exclusive)
