@@ -94,8 +94,12 @@ class DelayedDict(Mapping):
 
     **Example:**
 
-        d = lh.reap(lh.grad(f), tag="t")(2.)
-        d["x3"], d["grad", "x3"], d.compute()
+    >>> import lazyharvest as lh
+    >>> d = lh.reap(lh.grad(lambda x: lh.sow(x ** 3, tag="t", name="x3")), tag="t")(2.)
+    >>> d
+    DelayedDict({'x3': <pending f32[]>, 'grad': {'x3': <pending f32[]>}})
+    >>> print(d["x3"], d["grad", "x3"], d["grad"]["x3"])
+    8.0 12.0 12.0
     """
 
     def __init__(self, store: _Store, prefix: tuple = ()):
@@ -161,6 +165,13 @@ class DelayedDict(Mapping):
         the leaf, as `d[key]` does.
 
         **Raises:** `HarvestKeyError` for an unknown key.
+
+        **Example:**
+
+        >>> import lazyharvest as lh
+        >>> d = lh.reap(lh.grad(lambda x: lh.sow(x ** 3, tag="t", name="x3")), tag="t")(2.)
+        >>> print(d.thunk(("grad", "x3"))())
+        12.0
         """
         raw = self._raw(key, parts)
         return lambda: self._store.force([raw])[raw]
@@ -178,7 +189,12 @@ class DelayedDict(Mapping):
         raises `HarvestError` when its arguments differ in shape or dtype from
         the call that made this DelayedDict.
 
-        **Example:** `d.fn(("grad", "x3"))(3.)`
+        **Example:**
+
+        >>> import lazyharvest as lh
+        >>> d = lh.reap(lh.grad(lambda x: lh.sow(x ** 3, tag="t", name="x3")), tag="t")(2.)
+        >>> print(d.fn(("grad", "x3"))(3.))
+        27.0
         """
         raw = self._raw(key, parts)
         store = self._store
@@ -200,11 +216,33 @@ class DelayedDict(Mapping):
         return continuation
 
     def is_computed(self, key: Any, *parts: Any) -> bool:
-        """Whether one leaf has been computed (and memoized) already."""
+        """Whether one leaf has been computed (and memoized) already.
+
+        **Arguments:** `key`: one key. **Returns:** a bool; computes nothing.
+        **Raises:** `HarvestKeyError` for an unknown key.
+
+        **Example:**
+
+        >>> import lazyharvest as lh
+        >>> d = lh.reap(lh.grad(lambda x: lh.sow(x ** 3, tag="t", name="x3")), tag="t")(2.)
+        >>> d.is_computed("x3"), float(d["x3"]), d.is_computed("x3")
+        (False, 8.0, True)
+        """
         return self._raw(key, parts) in self._store.values
 
     def aliases(self, key: Any, *parts: Any) -> list:
-        """Every key of one leaf, canonical first (the others add structural labels)."""
+        """Every key of one leaf, canonical first (the others add structural labels).
+
+        **Arguments:** `key`: one key (any of its aliases). **Returns:** a list
+        of keys. **Raises:** `HarvestKeyError` for an unknown key.
+
+        **Example:**
+
+        >>> import lazyharvest as lh
+        >>> d = lh.reap(lh.jit(lambda x: lh.sow(x * 2, tag="t", name="y")), tag="t")(1.)
+        >>> d.aliases("y")
+        ['y', ('jit', 'y')]
+        """
         raw = self._raw(key, parts)
         keys = [k for k, r in self._leaves.items() if r == raw]
         keys.sort(key=len)
@@ -224,7 +262,12 @@ class DelayedDict(Mapping):
 
         **Raises:** `HarvestKeyError` for an unknown key.
 
-        **Example:** `d.compute("h1", ("vjp", "h1"))`
+        **Example:**
+
+        >>> import lazyharvest as lh
+        >>> d = lh.reap(lh.grad(lambda x: lh.sow(x ** 3, tag="t", name="x3")), tag="t")(2.)
+        >>> d.compute("x3", ("grad", "x3"))
+        {'x3': Array(8., dtype=float32, weak_type=True), 'grad': {'x3': Array(12., dtype=float32, weak_type=True)}}
         """
         wanted = self._expand(keys) if keys else list(self._canonical)
         values = self._store.force([self._leaves[k] for k in wanted])
@@ -236,8 +279,16 @@ class DelayedDict(Mapping):
     def lower(self, *keys: Any) -> Any:
         """The `jax.stages.Lowered` program that `compute(*keys)` runs.
 
-        For inspection: `.as_text()`, `.compile().memory_analysis()`,
-        `.cost_analysis()`. Keys as for `compute`.
+        **Arguments:** `*keys`, as for `compute`. **Returns:** the lowered
+        program, for inspection: `.as_text()`, `.compile().memory_analysis()`,
+        `.cost_analysis()`. **Raises:** `HarvestKeyError` for an unknown key.
+
+        **Example:**
+
+        >>> import lazyharvest as lh
+        >>> d = lh.reap(lh.grad(lambda x: lh.sow(x ** 3, tag="t", name="x3")), tag="t")(2.)
+        >>> "stablehlo.multiply" in d.lower("x3").as_text()
+        True
         """
         wanted = self._expand(keys) if keys else list(self._canonical)
         raws = list(dict.fromkeys(self._leaves[k] for k in wanted))
@@ -247,7 +298,15 @@ class DelayedDict(Mapping):
     @property
     def avals(self) -> dict:
         """Shape and dtype of every leaf (`jax.ShapeDtypeStruct` pytrees), by
-        canonical key; computes nothing."""
+        canonical key; computes nothing.
+
+        **Example:**
+
+        >>> import lazyharvest as lh
+        >>> d = lh.reap(lh.grad(lambda x: lh.sow(x ** 3, tag="t", name="x3")), tag="t")(2.)
+        >>> d.avals["x3"]
+        ShapeDtypeStruct(shape=(), dtype=float32)
+        """
         sites = self._store.traced.sites
         return {keys_mod.display(k): jax.tree_util.tree_unflatten(
                     sites[r].tree,

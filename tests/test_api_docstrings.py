@@ -52,3 +52,31 @@ def test_function_transforms_keep_jax_signature(name):
     assert ours.__wrapped__ is theirs
     assert inspect.signature(ours) == inspect.signature(theirs)
     assert ours.__doc__ != theirs.__doc__
+
+
+DELAYED_METHODS = ["thunk", "fn", "is_computed", "aliases", "compute", "lower", "avals",
+                   "summary"]
+
+
+@pytest.mark.parametrize("name", [None, *DELAYED_METHODS])
+def test_delayed_dict_docstrings_have_a_running_example(name):
+    obj = lh.DelayedDict if name is None else getattr(lh.DelayedDict, name)
+    obj = obj.fget if isinstance(obj, property) else obj
+    assert "Example" in obj.__doc__, name
+    if name in (None, "summary"):
+        return  # the class example runs below; summary's is prose
+    tests = doctest.DocTestFinder(recurse=False).find(obj, name=str(name), globs={})
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    report: list[str] = []
+    for t in tests:
+        runner.run(t, out=report.append)
+    results = runner.summarize(verbose=False)
+    assert results.attempted > 0 and results.failed == 0, "".join(report)
+
+
+def test_delayed_dict_class_example_runs():
+    tests = doctest.DocTestFinder(recurse=False).find(lh.DelayedDict, globs={})
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    for t in tests:
+        runner.run(t)
+    assert runner.summarize(verbose=False).failed == 0
