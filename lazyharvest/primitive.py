@@ -20,7 +20,7 @@ Two design points keep it both faithful and free:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import jax
@@ -357,13 +357,15 @@ def _stage(closed: Any, own: list[int], k: int | None, site_avals: list) -> Any:
     return _jax.ClosedJaxpr(jaxpr, consts)
 
 
-def _make_cond_batcher(original):
-    def rule(axis_data, args, dims, *, branches, **params):
+def _make_cond_batcher(original: Callable) -> Callable:
+    def rule(axis_data: Any, args: list, dims: list, *, branches: tuple,
+             **params: Any) -> Any:
         unstaged = lambda: original(axis_data, args, dims, branches=branches, **params)
         if dims[0] is None or not any(True for b in branches for _ in _sows(b.jaxpr)):
             return unstaged()
-        orders = [_site_order(b.jaxpr) for b in branches]
-        merged = None if any(o is None for o in orders) else _merge(orders)
+        found = [_site_order(b.jaxpr) for b in branches]
+        orders = [o for o in found if o is not None]
+        merged = _merge(orders) if len(orders) == len(found) else None
         if merged is None:
             return unstaged()
         sites, owns = merged

@@ -68,7 +68,7 @@ def _check_scan_modes(h: Harvest, body: Body) -> None:
 
 
 def _scan_body(body: Body, clob: list[Site], app: list[Site], sizes: list[int],
-               flags: dict, any_flag: bool):
+               flags: dict | None, any_flag: bool):
     """`(consts', consts, carry, clobber carry, xs, plant xs)
     -> (carry, clobber carry, ys, appended)` around the re-traced body.
 
