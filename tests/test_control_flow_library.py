@@ -177,6 +177,9 @@ def test_vmap_cond_batched_predicate_cotangents():
         2., X, e)))(jnp.zeros(3))
     d = lh.reap(jax.grad(batched_loss), tag="t")(2.)
     close(d["vjp", "s"], expected)
+    d = lh.reap(jax.grad(lambda x: jnp.sum(jax.vmap(branchy, (None, 0))(2., x))),
+                tag="t")(X)
+    close(d["vjp", "s"], expected)
     d = lh.reap(jax.vmap(jax.grad(branchy), (None, 0)), tag="t")(2., X)
     close(d["vjp", "s"], expected)
 
