@@ -47,6 +47,22 @@ class Record:
         return [jnp.concatenate(parts, axis=0) for parts in zip(*self.chunks)]
 
 
+SOWN = "sown?"  # the last path entry of a flag's key, unlike any level or label
+
+
+def sown_key(key: RawKey) -> RawKey:
+    """The key of the flag "site `key` was sown" (recorded with `track_sown`)."""
+    path, scopes, name = key
+    return (path + (SOWN,), scopes, name)
+
+
+def is_sown(key: RawKey) -> bool:
+    return bool(key[0]) and key[0][-1] == SOWN
+
+
+_LEAF = jax.tree_util.tree_structure(0)
+
+
 @attrs.define
 class Plant:
     """A planted value: replaces the site (adds, for a cotangent site)."""
@@ -75,8 +91,11 @@ class Run:
                  plants: dict[RawKey, Plant] | None = None,
                  cursor: dict[RawKey, int] | None = None,
                  keep_other_tags: bool = True, abstract: bool = False,
-                 pass_through: bool = False):
+                 pass_through: bool = False, parent: Run | None = None,
+                 track_sown: bool = False):
         self.harvest = harvest
+        self.parent = parent
+        self.track_sown = track_sown
         # An abstract run only learns the sites' avals: derivative leaves of
         # recorded transforms get placeholders of the right aval, not traces.
         self.abstract = abstract
@@ -92,13 +111,20 @@ class Run:
     def nested(self, plants: dict[RawKey, Plant] | None = None,
                cursor: dict[RawKey, int] | None = None,
                want: Callable[[RawKey], bool] | None = None,
-               pass_through: bool | None = None) -> Run:
-        """A run for a body inside this one; each argument left out is inherited."""
+               pass_through: bool | None = None, inherit: bool = False,
+               track_sown: bool | None = None) -> Run:
+        """A run for a body inside this one; each argument left out is inherited.
+
+        With `inherit`, the body reads this run's records as the values its
+        sites had before it (the body then closes over them).
+        """
         return Run(self.harvest, self.want if want is None else want,
                    self.plants if plants is None else plants,
                    self.cursor if cursor is None else cursor,
                    self.keep_other_tags, self.abstract,
-                   self.pass_through if pass_through is None else pass_through)
+                   self.pass_through if pass_through is None else pass_through,
+                   self if inherit else None,
+                   self.track_sown if track_sown is None else track_sown)
 
     # -- recording --------------------------------------------------------
 
@@ -191,6 +217,8 @@ class Run:
         if self.want(key):
             leaves = [x[None] for x in vals] if mode == "append" else vals
             self.record(key, mode, params["tree"], leaves)
+            if self.track_sown and mode == "clobber":
+                self.record(sown_key(key), mode, _LEAF, [jnp.ones((), bool)])
         return vals
 
     def apply_plant(self, key: RawKey, plant: Plant | None, vals: list,

@@ -122,8 +122,14 @@ def _count_scan(harvest: Harvest, *, jaxpr, length, **_) -> Counts:
 
 
 def _count_cond(harvest: Harvest, *, branches, **_) -> Counts:
-    # Branches sow the same sites (the cond rule checks it): count one.
-    return count_occurrences(branches[0].jaxpr, harvest)
+    # The union over branches: a clobber site may be sown by some branches
+    # only; append and strict sites are sown alike in every branch (the cond
+    # rule checks it), so the largest count is every branch's.
+    counts: Counts = {}
+    for b in branches:
+        for k, n in count_occurrences(b.jaxpr, harvest).items():
+            counts[k] = max(counts.get(k, 0), n)
+    return counts
 
 
 def _count_while(harvest: Harvest, *, body_jaxpr, **_) -> Counts:
