@@ -46,6 +46,8 @@ class _Store:
         of a closure over it) stages its program into that trace and keeps
         nothing: memoizing a tracer would poison it for later reads.
         """
+        if len(raw_keys) == 1 and raw_keys[0] in self.values and not self.traced_inputs:
+            return {raw_keys[0]: self.values[raw_keys[0]]}  # memoized: no lock needed
         with self.lock:
             keys = list(dict.fromkeys(raw_keys))
             out = {k: self.values[k] for k in keys if k in self.values}
@@ -126,9 +128,10 @@ class DelayedDict(Mapping):
         """
         store = _Store(traced, list(args), plants, list(plant_leaves))
         keys, leaves = computed
-        *chunks, _ = split_list(leaves, [len(traced.sites[k].avals) for k in keys])
-        for k, ls in zip(keys, chunks):
-            store.values[k] = jax.tree_util.tree_unflatten(traced.sites[k].tree, ls)
+        if keys:
+            *chunks, _ = split_list(leaves, [len(traced.sites[k].avals) for k in keys])
+            for k, ls in zip(keys, chunks):
+                store.values[k] = jax.tree_util.tree_unflatten(traced.sites[k].tree, ls)
         return cls(store)
 
     # -- Mapping --------------------------------------------------------------

@@ -467,6 +467,8 @@ def resolve_plants(traced: Traced, plants: Any, add: bool = False
 
 
 def _cast_plant(v: Any, aval: Any, where: str, add: bool = False) -> Any:
+    if isinstance(v, jax.Array) and v.shape == aval.shape and v.dtype == aval.dtype:
+        return v  # the common case in a sweep: nothing to convert, no device op
     if not hasattr(v, "dtype") and not isinstance(v, (bool, int, float, complex)):
         arr = np.asarray(v) if not isinstance(v, (str, bytes)) else None
         if arr is None or arr.dtype.kind not in "biufc":
