@@ -472,6 +472,8 @@ def _short(x: Any) -> str:
         return f"<traced {jax.typeof(x).str_short(short_dtypes=True)}>"
     if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
         return f"<{jax.typeof(x).str_short(short_dtypes=True)}>"  # no numbers to show
+    if not getattr(x, "is_fully_addressable", True):  # spread over processes
+        return f"<{jax.typeof(x).str_short(short_dtypes=True)} not addressable here>"
     a = np.asarray(x)
     if a.size <= 8:
         if np.issubdtype(a.dtype, np.floating):  # 6 significant digits, as float32 has
