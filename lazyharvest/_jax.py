@@ -217,6 +217,28 @@ def bind_params(eqn: JaxprEqn, params: dict | None = None) -> dict:
     return eqn.primitive.get_bind_params(eqn.params if params is None else params)
 
 
+def eval_eqns(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+              eval_eqn: Callable[[JaxprEqn, list], list], in_context: bool = False) -> list:
+    """Evaluates `jaxpr`, each eqn by `eval_eqn(eqn, invals) -> outvals`; with
+    `in_context`, under the eqn's source info and JAX context (as re-binding)."""
+    env: dict = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if in_context:
+            with eqn_source(eqn), eqn.ctx.manager:
+                outs = eval_eqn(eqn, invals)
+        else:
+            outs = eval_eqn(eqn, invals)
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
 def eqn_source(eqn: JaxprEqn) -> Any:
     """The context to re-bind `eqn` in, part 1: its source info and name stack
     (so `jax.named_scope` names reach the HLO), as `jax.core.eval_jaxpr` does."""

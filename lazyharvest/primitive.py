@@ -310,29 +310,19 @@ def _site_order(jaxpr: Any) -> list | None:
 def _run_to(jaxpr: Any, consts: Any, args: list, subs: list, stop: int | None,
             count: list) -> list:
     """Evaluates `jaxpr`; sow j outputs `subs[j]`; sow `stop` raises `_Stop`."""
-    env: dict = {}
-    read = lambda v: v.val if isinstance(v, _jax.Literal) else env[v]
-    for v, x in zip(jaxpr.constvars, consts):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args):
-        env[v] = x
-    for eqn in jaxpr.eqns:
-        vals = [read(v) for v in eqn.invars]
+    def step(eqn: Any, vals: list) -> list:
         inner = _inlined(eqn)
         if eqn.primitive is sow_p:
             j = count[0]
             count[0] += 1
             if j == stop:
                 raise _Stop(vals)
-            outs = subs[j]
-        elif inner is not None and any(True for _ in _sows(inner.jaxpr)):
-            outs = _run_to(inner.jaxpr, inner.consts, vals, subs, stop, count)
-        else:
-            outs = eqn.primitive.bind(*vals, **_jax.bind_params(eqn))
-            outs = outs if eqn.primitive.multiple_results else [outs]
-        for v, x in zip(eqn.outvars, outs):
-            env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+            return subs[j]
+        if inner is not None and any(True for _ in _sows(inner.jaxpr)):
+            return _run_to(inner.jaxpr, inner.consts, vals, subs, stop, count)
+        outs = eqn.primitive.bind(*vals, **_jax.bind_params(eqn))
+        return outs if eqn.primitive.multiple_results else [outs]
+    return _jax.eval_eqns(jaxpr, consts, args, step)
 
 
 def _merge(orders: list[list]) -> tuple[list, list] | None:

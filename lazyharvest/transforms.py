@@ -106,29 +106,18 @@ _DOCS: dict[str, dict[str, str]] = {
 >>> d = lh.reap(lh.value_and_grad(f), tag="t")(2.)
 >>> print(d["x3"], d["value_and_grad", "x3"])
 8.0 12.0"""),
-    "jacfwd": dict(
-        summary="the forward-mode Jacobian, and the Jacobian of each site.",
-        chosen="Choosing `\"jacfwd\"` gives the Jacobian of the site's slice with "
-               "respect to `argnums`, in forward mode. " + _DIFFERENTIAL_SEEN,
+    **{name: dict(
+        summary=f"the {mode}-mode Jacobian, and the Jacobian of each site.",
+        chosen=f"Choosing `\"{name}\"` gives the Jacobian of the site's slice with "
+               f"respect to `argnums`, in {mode} mode. " + _DIFFERENTIAL_SEEN,
         returns=": the function computing the Jacobian of `fun`",
-        example=_F + """\
->>> d = lh.reap(lh.jacfwd(f), tag="t")(jnp.array([1., 2.]))
+        example=_F + f"""\
+>>> d = lh.reap(lh.{name}(f), tag="t")(jnp.array([1., 2.]))
 >>> print(d["x3"])
 [1. 8.]
->>> print(d["jacfwd", "x3"])
+>>> print(d["{name}", "x3"])
 [[ 3.  0.]
- [ 0. 12.]]"""),
-    "jacrev": dict(
-        summary="the reverse-mode Jacobian, and the Jacobian of each site.",
-        chosen="Choosing `\"jacrev\"` gives the Jacobian of the site's slice with "
-               "respect to `argnums`, in reverse mode. " + _DIFFERENTIAL_SEEN,
-        returns=": the function computing the Jacobian of `fun`",
-        example=_F + """\
->>> d = lh.reap(lh.jacrev(f), tag="t")(jnp.ones(3))
->>> print(d["jacrev", "x3"])
-[[3. 0. 0.]
- [0. 3. 0.]
- [0. 0. 3.]]"""),
+ [ 0. 12.]]""") for name, mode in (("jacfwd", "forward"), ("jacrev", "reverse"))},
     "hessian": dict(
         summary="the Hessian, and the Hessian of each site.",
         chosen="Choosing `\"hessian\"` gives `jax.hessian` of the site's slice "

@@ -167,22 +167,7 @@ class Run:
 
     def eval(self, jaxpr: _jax.Jaxpr, consts: Sequence[Any],
              args: Sequence[Any]) -> list:
-        env: dict = {}
-
-        def read(v):
-            return v.val if isinstance(v, _jax.Literal) else env[v]
-
-        for v, x in zip(jaxpr.constvars, consts):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, args):
-            env[v] = x
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            with _jax.eqn_source(eqn), _jax.eqn_context(eqn):
-                outs = self.eval_eqn(eqn, invals)
-            for v, x in zip(eqn.outvars, outs):
-                env[v] = x
-        return [read(v) for v in jaxpr.outvars]
+        return _jax.eval_eqns(jaxpr, consts, args, self.eval_eqn, in_context=True)
 
     def eval_eqn(self, eqn: _jax.JaxprEqn, invals: list) -> list:
         prim = eqn.primitive

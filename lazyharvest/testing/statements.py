@@ -107,17 +107,18 @@ class Scope:
 
 
 @dataclasses.dataclass(frozen=True)
-class Jit:
+class _Wrapped:
+    """``body`` inside a transformation that keeps its values (a subclass each)."""
+
+    body: tuple
+
+
+class Jit(_Wrapped):
     """``body`` inside ``jax.jit``."""
 
-    body: tuple
 
-
-@dataclasses.dataclass(frozen=True)
-class Remat:
+class Remat(_Wrapped):
     """``body`` inside ``jax.checkpoint``."""
-
-    body: tuple
 
 
 @dataclasses.dataclass(frozen=True)
