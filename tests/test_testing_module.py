@@ -176,7 +176,8 @@ def test_law3_checker_catches_ignored_out_axes(monkeypatch):
 
 
 def test_law4_checker_catches_a_jit_that_loses_sites():
-    hiding_jit = lambda g: jax.jit(lambda *a: lh.plant(g, tag="t")({}, *a))  # noqa: E731
+    # harvest consumes every site of its tag (plant now passes unplanted ones through)
+    hiding_jit = lambda g: jax.jit(lambda *a: lh.harvest(g, tag="t")({}, *a)[0])  # noqa: E731
     with pytest.raises(AssertionError, match=r"law 4 .*keys differ"):
         T.check_jit(fresh_victim(), X, tag="t", jit=hiding_jit)
 
