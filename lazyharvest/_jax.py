@@ -18,18 +18,16 @@ from jax._src.interpreters import partial_eval as _pe
 from jax.api_util import debug_info as _debug_info
 from jax.api_util import flatten_fun_nokwargs as _flatten_fun_nokwargs
 from jax.extend import linear_util as lu
-from jax.extend.core import (
-    ClosedJaxpr,
-    Effect,
-    Jaxpr,
-    JaxprEqn,
-    Literal,
-    Primitive,
-    Var,
-    new_jaxpr_eqn,
-)
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Var
 from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
+
+# jax 0.10 exports these from jax.extend.core; 0.8 and 0.9 keep them in _src.
+try:
+    from jax.extend.core import Effect, new_jaxpr_eqn
+except ImportError:  # jax < 0.10
+    from jax._src.core import new_jaxpr_eqn
+    from jax._src.effects import Effect
 
 __all__ = [
     "ClosedJaxpr", "Effect", "Jaxpr", "JaxprEqn", "Literal", "Primitive", "Var",
