@@ -44,9 +44,9 @@ def closed_call(fn: Callable, *args: Any) -> list:
 
     flat = list(args)
     jaxpr, consts = trace_flat(lambda *a: list(fn(*a)), [jax.typeof(x) for x in flat])
-    params = _prims.closed_call_p.get_bind_params(
-        {"call_jaxpr": ClosedJaxpr(jaxpr, consts)})
-    return _prims.closed_call_p.bind(*flat, **params)
+    params = _get_bind_params(_prims.closed_call_p,
+                              {"call_jaxpr": ClosedJaxpr(jaxpr, consts)})
+    return _bind(_prims.closed_call_p, flat, params)
 
 
 def register_effect(effect_type: type) -> None:
@@ -144,8 +144,41 @@ def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], *args: Any) -> list[Any]:
 
 
 def bind_params(eqn: JaxprEqn, params: dict | None = None) -> dict:
-    """The parameters to re-bind `eqn`'s primitive with (subfuns for custom calls)."""
-    return eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    """The parameters to re-bind `eqn`'s primitive with (subfuns for custom calls).
+
+    Always in jax >= 0.9's form: a dict, with a call's functions under
+    `"subfuns"`; `bind_eqn` binds it on every version.
+    """
+    return _get_bind_params(eqn.primitive, eqn.params if params is None else params)
+
+
+def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any], params: dict | None = None) -> Any:
+    """`eqn`'s primitive bound on `invals` (with `params` instead of its own)."""
+    return _bind(eqn.primitive, invals, bind_params(eqn, params))
+
+
+# jax 0.8: `get_bind_params` returns `(subfuns, params)` and `bind` takes the
+# subfuns as leading positional arguments. jax >= 0.9: it returns params with
+# the subfuns under "subfuns", and `bind` takes them there.
+_BIND_PARAMS_SPLIT = isinstance(Primitive("lazyharvest_probe").get_bind_params({}),
+                                tuple)
+
+
+def _get_bind_params(prim: Primitive, params: dict) -> dict:
+    out = prim.get_bind_params(params)
+    if _BIND_PARAMS_SPLIT:
+        subfuns, out = out
+        if subfuns:
+            out = dict(out, subfuns=tuple(subfuns))
+    return out
+
+
+def _bind(prim: Primitive, invals: Sequence[Any], bind_params: dict) -> Any:
+    if _BIND_PARAMS_SPLIT and "subfuns" in bind_params:
+        bind_params = dict(bind_params)
+        subfuns = bind_params.pop("subfuns")
+        return prim.bind(*subfuns, *invals, **bind_params)
+    return prim.bind(*invals, **bind_params)
 
 
 def eqn_context(eqn: JaxprEqn):

@@ -218,7 +218,7 @@ def _lift_sites(closed):
                 lifted += vals
                 outs = vals
             else:
-                outs = eqn.primitive.bind(*vals, **_jax.bind_params(eqn))
+                outs = _jax.bind_eqn(eqn, vals)
                 outs = outs if eqn.primitive.multiple_results else [outs]
             for v, x in zip(eqn.outvars, outs):
                 env[v] = x
