@@ -204,10 +204,27 @@ def shard_map_body_context(mesh: Any, manual_axes: frozenset, check_vma: bool):
     return stack
 
 
+def shard_map_params(eqn: JaxprEqn) -> tuple[Jaxpr, Any, frozenset, bool]:
+    """A shard_map eqn's (body jaxpr, mesh, manual axes, check_vma).
+
+    jax 0.10 calls the manual axes `newly_manual_axes`; 0.8 and 0.9 call them
+    `manual_axes`.
+    """
+    p = eqn.params
+    manual = p["newly_manual_axes"] if "newly_manual_axes" in p else p["manual_axes"]
+    return p["jaxpr"], p["mesh"], manual, p["check_vma"]
+
+
 def varying_axes(aval: Any) -> frozenset:
-    """Mesh axes over which a value (given by its aval) varies inside shard_map."""
+    """Mesh axes over which a value (given by its aval) varies inside shard_map.
+
+    jax 0.10 keeps them in `aval.manual_axis_type.varying`; 0.8 and 0.9 in
+    `aval.vma`.
+    """
     mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(getattr(mat, "varying", ()))
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(aval, "vma", ()))
 
 
 def local_aval(mesh: Any, manual_axes: frozenset, check_vma: bool, spec: Any,

@@ -722,7 +722,7 @@ def _shard_map(run: Run, eqn: _jax.JaxprEqn, invals: list) -> list:
     Plants inside the body take the same layout.
     """
     p = eqn.params
-    jaxpr, mesh, manual, check = p["jaxpr"], p["mesh"], p["newly_manual_axes"], p["check_vma"]
+    jaxpr, mesh, manual, check = _jax.shard_map_params(eqn)
     axes = tuple(a for a in mesh.axis_names if a in manual)
 
     def layout(x: Any) -> tuple:
