@@ -32,6 +32,9 @@ needs_transforms = pytest.mark.xfail(not HAS_TRANSFORMS, reason="needs recorded 
 # Few, small examples: every example compiles a handful of XLA programs.
 FEW = settings(max_examples=10, suppress_health_check=list(HealthCheck))
 FEWER = settings(max_examples=6, suppress_health_check=list(HealthCheck))
+# The property suites take most of this file's time; the fast subset
+# (`-m "not slow"`) keeps every law on the simplest program per construct.
+slow = pytest.mark.slow
 
 
 @st.composite
@@ -42,6 +45,7 @@ def program_and_args(draw, **kw):
 
 # --- the laws over random programs ---------------------------------------------------
 
+@slow
 @FEW
 @given(program_and_args())
 def test_law1_linearize(pa):
@@ -49,6 +53,7 @@ def test_law1_linearize(pa):
     T.check_linearize(p.fn, *args, tag=p.tag)
 
 
+@slow
 @FEW
 @given(program_and_args())
 def test_law2_jvp(pa):
@@ -56,6 +61,7 @@ def test_law2_jvp(pa):
     T.check_jvp(p.fn, *args, tag=p.tag)
 
 
+@slow
 @needs_transforms
 @FEW
 @given(st.data())
@@ -67,6 +73,7 @@ def test_law3_vmap(data):
     T.check_vmap(p.fn, *args, tag=p.tag, in_axes=t.in_axes, out_axes=t.out_axes)
 
 
+@slow
 @FEW
 @given(program_and_args())
 def test_law4_jit(pa):
@@ -74,6 +81,7 @@ def test_law4_jit(pa):
     T.check_jit(p.fn, *args, tag=p.tag)
 
 
+@slow
 @needs_transforms
 @FEWER
 @given(program_and_args())
@@ -82,6 +90,7 @@ def test_law4_recorded_jit(pa):
     T.check_jit(p.fn, *args, tag=p.tag, jit=lh.jit)
 
 
+@slow
 @FEW
 @given(program_and_args(exclude={"while"}))  # no reverse mode through while_loop
 def test_law5_vjp(pa):
@@ -89,6 +98,7 @@ def test_law5_vjp(pa):
     T.check_vjp(p.fn, *args, tag=p.tag)
 
 
+@slow
 @FEW
 @given(program_and_args())
 def test_law6_roundtrip(pa):
@@ -103,6 +113,7 @@ REVERSE_BUGS = {
 }
 
 
+@slow
 @FEW
 @given(program_and_args())
 def test_law7_lazy_equals_direct_definition(pa):
@@ -110,6 +121,7 @@ def test_law7_lazy_equals_direct_definition(pa):
     T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices)
 
 
+@slow
 @FEW
 @given(program_and_args(exclude={"while"} | REVERSE_BUGS))
 def test_law7_reverse_mode_keys(pa):
@@ -117,6 +129,7 @@ def test_law7_reverse_mode_keys(pa):
     T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices, perturb=p.perturb)
 
 
+@slow
 @needs_transforms
 @FEWER
 @given(st.data())
@@ -127,6 +140,7 @@ def test_law7_recorded_transforms(data):
     T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices, stack=s)
 
 
+@slow
 @FEW
 @given(program_and_args())
 def test_law8_compute_equals_one_by_one(pa):
@@ -134,6 +148,7 @@ def test_law8_compute_equals_one_by_one(pa):
     T.check_compute(p.fn, *args, tag=p.tag)
 
 
+@slow
 @FEW
 @given(program_and_args())
 def test_law9_nest(pa):
@@ -189,6 +204,7 @@ def test_generator_respects_exclude_and_dead_code():
         T.programs(exclude={"nonsense"})
 
 
+@slow
 def test_oracle_is_independent_of_lazyharvest(monkeypatch):
     # The slices, plants and perturbations never call sow.
     p = find(T.programs(), lambda p: {"scan", "cond", "scope"} <= p.constructs,
@@ -310,6 +326,7 @@ def _model_case(name):
     return rnn, (n(3, 3), n(3, 2), n(4, 2)), n(5, 4)
 
 
+@slow
 @pytest.mark.parametrize("name", ["mlp", "attention", "rnn"])
 def test_check_all_on_model(name):
     model, params, x = _model_case(name)
@@ -585,6 +602,7 @@ def test_narrowed_plain_jax_vmap_is_not_a_law():
 
 # --- docs/laws.md ---------------------------------------------------------------------
 
+@slow
 def test_docs_examples():
     """Every ```python block of docs/laws.md runs, in order, in one namespace."""
     import pathlib
