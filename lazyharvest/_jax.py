@@ -1,26 +1,71 @@
 """Every use of JAX internals lives here, so a JAX upgrade touches one file.
 
-Pinned to jax 0.10.2. `jax.extend` and `jax.interpreters` carry no
-compatibility guarantee; `jax._src` even less. Nothing else in the package may
-import from them.
+Supports jax 0.8.3 to 0.10.x (tested: 0.8.3, 0.9.2, 0.10.2; docs/compat.md).
+`jax.extend` and `jax.interpreters` carry no compatibility guarantee;
+`jax._src` even less. Nothing else in the package may import from them
+(tests/test_compat.py checks), and every line that depends on JAX's version
+is here: it branches on the presence of the feature where it can (so the
+releases between the tested ones take the right branch), on `JAX_VERSION`
+otherwise, and raises `require`'s error where an older JAX lacks a feature.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Sequence
 
 import jax
-from jax._src import config as _config
-from jax._src import core as _core
-from jax._src import effects as _effects
-from jax._src import sharding_impls as _sharding_impls
-from jax._src.interpreters import partial_eval as _pe
-from jax.api_util import debug_info as _debug_info
-from jax.api_util import flatten_fun_nokwargs as _flatten_fun_nokwargs
-from jax.extend import linear_util as lu
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Var
-from jax.interpreters import ad, batching, mlir
-from jax.interpreters import partial_eval as pe
+
+from lazyharvest.errors import HarvestError
+
+# --- versions -------------------------------------------------------------------
+
+
+def parse_version(version: str) -> tuple[int, ...]:
+    """(major, minor, micro) of a version string: "0.9.0.1" and "0.10.3.dev20260101"
+    give (0, 9, 0) and (0, 10, 3)."""
+    out = []
+    for part in version.split(".")[:3]:
+        m = re.match(r"\d+", part)
+        if m is None:
+            break
+        out.append(int(m.group()))
+    return tuple(out)
+
+
+JAX_VERSION = parse_version(jax.__version__)
+MIN_JAX_VERSION = (0, 8, 3)  # pyproject.toml: jax>=0.8.3,<0.11
+TESTED_JAX_VERSIONS = ((0, 8, 3), (0, 9, 2), (0, 10, 2))  # scripts/compat.py
+
+
+def _spell(version: Sequence[int]) -> str:
+    return ".".join(map(str, version))
+
+
+def require(version: Sequence[int], feature: str) -> None:
+    """Raises a `HarvestError` naming `version` if this JAX is older."""
+    if JAX_VERSION < tuple(version):
+        raise HarvestError(
+            f"{feature} needs jax >= {_spell(version)}; this is jax "
+            f"{jax.__version__}. Upgrade JAX (pip install -U 'jax>={_spell(version)}').")
+
+
+require(MIN_JAX_VERSION, "lazyharvest")
+
+# --- imports (from here on, names present in every supported version) ------------
+
+from jax._src import config as _config  # noqa: E402
+from jax._src import core as _core  # noqa: E402
+from jax._src import effects as _effects  # noqa: E402
+from jax._src import sharding_impls as _sharding_impls  # noqa: E402
+from jax._src.interpreters import partial_eval as _pe  # noqa: E402
+from jax.api_util import debug_info as _debug_info  # noqa: E402
+from jax.api_util import flatten_fun_nokwargs as _flatten_fun_nokwargs  # noqa: E402
+from jax.extend import linear_util as lu  # noqa: E402
+from jax.extend.core import (  # noqa: E402
+    ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Var)
+from jax.interpreters import ad, batching, mlir  # noqa: E402
+from jax.interpreters import partial_eval as pe  # noqa: E402
 
 # jax 0.10 exports these from jax.extend.core; 0.8 and 0.9 keep them in _src.
 try:
