@@ -10,7 +10,9 @@ For each version it makes (or reuses) a venv under the cache directory
 installs `jax==V jaxlib==V` and this checkout with its test extra from PyPI
 (`pip install -e ".[test]"`, so pip also checks V against the declared
 range), then runs pytest from the repository root. At the end it prints one
-row per version: passed / failed / errors / skipped / xfailed / seconds.
+row per version: passed / failed / errors / skipped / xfailed / xpassed, the
+suite's wall-clock seconds and CPU seconds (user + sys; on a shared machine
+the wall clock also counts waiting for a core), and the setup seconds.
 
 Exit status: 0 when every suite passed; 1 when a suite failed; 2 when a venv
 could not be set up. Needs only Python >= 3.11 with the venv module and
@@ -23,6 +25,7 @@ import argparse
 import os
 import pathlib
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -137,11 +140,11 @@ def main() -> int:
             jaxlib_v = setup(version, venv, args.python, args.fresh, log)
             t_setup = time.perf_counter() - t0
             if jaxlib_v is None:
-                rows.append((version, "-", subset, dict.fromkeys(COUNTS, 0), 0.0,
+                rows.append((version, "-", subset, dict.fromkeys(COUNTS, 0), 0.0, 0.0,
                              t_setup, "SETUP FAILED"))
                 status = max(status, 2)
                 continue
-            t0 = time.perf_counter()
+            t0, ru0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
             out: list[str] = []
             cmd = [str(venv_python(venv)), "-m", "pytest", *pytest_args]
             print("$", " ".join(cmd), flush=True)
@@ -154,21 +157,24 @@ def main() -> int:
             sys.stdout.flush()
             rc = proc.wait()
             secs = time.perf_counter() - t0
+            ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime
             counts = summary("".join(out))
             result = "ok" if rc == 0 else f"FAILED (pytest exit {rc})"
             if rc != 0:
                 status = max(status, 1)
-            rows.append((version, jaxlib_v, subset, counts, secs, t_setup, result))
+            rows.append((version, jaxlib_v, subset, counts, secs, cpu, t_setup, result))
 
     print("\n" + "=" * 100)
     head = (f"{'jax':<8} {'jaxlib':<8} {'subset':<10} "
-            + " ".join(f"{c:>7}" for c in COUNTS) + f" {'seconds':>8} {'setup s':>8}  result")
+            + " ".join(f"{c:>7}" for c in COUNTS)
+            + f" {'seconds':>8} {'cpu s':>8} {'setup s':>8}  result")
     print(head)
     print("-" * len(head))
-    for version, jaxlib_v, sub, counts, secs, t_setup, result in rows:
+    for version, jaxlib_v, sub, counts, secs, cpu, t_setup, result in rows:
         print(f"{version:<8} {jaxlib_v:<8} {sub:<10} "
               + " ".join(f"{counts[c]:>7}" for c in COUNTS)
-              + f" {secs:>8.1f} {t_setup:>8.1f}  {result}")
+              + f" {secs:>8.1f} {cpu:>8.1f} {t_setup:>8.1f}  {result}")
     print(f"total {time.perf_counter() - t_start:.0f} s; logs in {args.cache_dir}")
     return status
 
