@@ -1,38 +1,81 @@
 """Every use of JAX internals lives here, so a JAX upgrade touches one file.
 
-Pinned to jax 0.10.2. `jax.extend` and `jax.interpreters` carry no
-compatibility guarantee; `jax._src` even less. Nothing else in the package may
-import from them.
+Supports jax 0.8.3 to 0.10.x (tested: 0.8.3, 0.9.2, 0.10.2; docs/compat.md).
+`jax.extend` and `jax.interpreters` carry no compatibility guarantee;
+`jax._src` even less. Nothing else in the package may import from them
+(tests/test_compat.py checks), and every line that depends on JAX's version
+is here: it branches on the presence of the feature where it can (so the
+releases between the tested ones take the right branch), on `JAX_VERSION`
+otherwise, and raises `require`'s error where an older JAX lacks a feature.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax._src import config as _config
-from jax._src import core as _core
-from jax._src import effects as _effects
-from jax._src import sharding_impls as _sharding_impls
-from jax._src import source_info_util as _source_info_util
-from jax._src import traceback_util as _traceback_util
-from jax._src.interpreters import partial_eval as _pe
-from jax.api_util import debug_info as _debug_info
-from jax.api_util import flatten_fun_nokwargs as _flatten_fun_nokwargs
-from jax.extend import linear_util as lu
-from jax.extend.core import (  # noqa: F401  (re-exported to the package)
-    ClosedJaxpr,
-    Effect,
-    Jaxpr,
-    JaxprEqn,
-    Literal,
-    Primitive,
-    Var,
-    new_jaxpr_eqn,
-)
-from jax.interpreters import ad, batching, mlir  # noqa: F401  (re-exported)
-from jax.interpreters import partial_eval as pe
+
+from lazyharvest.errors import HarvestError
+
+# --- versions -------------------------------------------------------------------
+
+
+def parse_version(version: str) -> tuple[int, ...]:
+    """(major, minor, micro) of a version string: "0.9.0.1" and "0.10.3.dev20260101"
+    give (0, 9, 0) and (0, 10, 3)."""
+    out = []
+    for part in version.split(".")[:3]:
+        m = re.match(r"\d+", part)
+        if m is None:
+            break
+        out.append(int(m.group()))
+    return tuple(out)
+
+
+JAX_VERSION = parse_version(jax.__version__)
+MIN_JAX_VERSION = (0, 8, 3)  # pyproject.toml: jax>=0.8.3,<0.11
+TESTED_JAX_VERSIONS = ((0, 8, 3), (0, 9, 2), (0, 10, 2))  # scripts/compat.py
+
+
+def _spell(version: Sequence[int]) -> str:
+    return ".".join(map(str, version))
+
+
+def require(version: Sequence[int], feature: str) -> None:
+    """Raises a `HarvestError` naming `version` if this JAX is older."""
+    if JAX_VERSION < tuple(version):
+        raise HarvestError(
+            f"{feature} needs jax >= {_spell(version)}; this is jax "
+            f"{jax.__version__}. Upgrade JAX (pip install -U 'jax>={_spell(version)}').")
+
+
+require(MIN_JAX_VERSION, "lazyharvest")
+
+# --- imports (from here on, names present in every supported version) ------------
+
+from jax._src import config as _config  # noqa: E402
+from jax._src import core as _core  # noqa: E402
+from jax._src import effects as _effects  # noqa: E402
+from jax._src import sharding_impls as _sharding_impls  # noqa: E402
+from jax._src import source_info_util as _source_info_util  # noqa: E402
+from jax._src import traceback_util as _traceback_util  # noqa: E402
+from jax._src.interpreters import partial_eval as _pe  # noqa: E402
+from jax.api_util import debug_info as _debug_info  # noqa: E402
+from jax.api_util import flatten_fun_nokwargs as _flatten_fun_nokwargs  # noqa: E402
+from jax.extend import linear_util as lu  # noqa: E402
+from jax.extend.core import (  # noqa: E402, F401  (re-exported to the package)
+    ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Var)
+from jax.interpreters import ad, batching, mlir  # noqa: E402, F401  (re-exported)
+from jax.interpreters import partial_eval as pe  # noqa: E402
+
+# jax 0.10 exports these from jax.extend.core; 0.8 and 0.9 keep them in _src.
+try:
+    from jax.extend.core import Effect, new_jaxpr_eqn  # noqa: F401
+except ImportError:  # jax < 0.10
+    from jax._src.core import new_jaxpr_eqn
+    from jax._src.effects import Effect  # noqa: F401
 
 Zero = ad.Zero
 UNSPECIFIED = _sharding_impls.UNSPECIFIED
@@ -89,9 +132,9 @@ def closed_call(fn: Callable, *args: Any) -> list:
 
     flat = list(args)
     jaxpr, consts = trace_flat(lambda *a: list(fn(*a)), [jax.typeof(x) for x in flat])
-    params = _prims.closed_call_p.get_bind_params(
-        {"call_jaxpr": ClosedJaxpr(jaxpr, consts)})
-    return _prims.closed_call_p.bind(*flat, **params)
+    params = _get_bind_params(_prims.closed_call_p,
+                              {"call_jaxpr": ClosedJaxpr(jaxpr, consts)})
+    return _bind(_prims.closed_call_p, flat, params)
 
 
 def register_effect(effect_type: type) -> None:
@@ -213,8 +256,41 @@ def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], *args: Any) -> list[Any]:
 
 
 def bind_params(eqn: JaxprEqn, params: dict | None = None) -> dict:
-    """The parameters to re-bind `eqn`'s primitive with (subfuns for custom calls)."""
-    return eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    """The parameters to re-bind `eqn`'s primitive with (subfuns for custom calls).
+
+    Always in jax >= 0.9's form: a dict, with a call's functions under
+    `"subfuns"`; `bind_eqn` binds it on every version.
+    """
+    return _get_bind_params(eqn.primitive, eqn.params if params is None else params)
+
+
+def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any], params: dict | None = None) -> Any:
+    """`eqn`'s primitive bound on `invals` (with `params` instead of its own)."""
+    return _bind(eqn.primitive, invals, bind_params(eqn, params))
+
+
+# jax 0.8: `get_bind_params` returns `(subfuns, params)` and `bind` takes the
+# subfuns as leading positional arguments. jax >= 0.9: it returns params with
+# the subfuns under "subfuns", and `bind` takes them there.
+_BIND_PARAMS_SPLIT = isinstance(Primitive("lazyharvest_probe").get_bind_params({}),
+                                tuple)
+
+
+def _get_bind_params(prim: Primitive, params: dict) -> dict:
+    out = prim.get_bind_params(params)
+    if _BIND_PARAMS_SPLIT:
+        subfuns, out = out
+        if subfuns:
+            out = dict(out, subfuns=tuple(subfuns))
+    return out
+
+
+def _bind(prim: Primitive, invals: Sequence[Any], bind_params: dict) -> Any:
+    if _BIND_PARAMS_SPLIT and "subfuns" in bind_params:
+        bind_params = dict(bind_params)
+        subfuns = bind_params.pop("subfuns")
+        return prim.bind(*subfuns, *invals, **bind_params)
+    return prim.bind(*invals, **bind_params)
 
 
 def eval_eqns(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
@@ -280,10 +356,27 @@ def axis_env(name_sizes: Sequence[tuple[Any, int]]):
     return _core.extend_axis_env_nd(list(name_sizes))
 
 
+def shard_map_params(eqn: JaxprEqn) -> tuple[Jaxpr, Any, frozenset, bool]:
+    """A shard_map eqn's (body jaxpr, mesh, manual axes, check_vma).
+
+    jax 0.10 calls the manual axes `newly_manual_axes`; 0.8 and 0.9 call them
+    `manual_axes`.
+    """
+    p = eqn.params
+    manual = p["newly_manual_axes"] if "newly_manual_axes" in p else p["manual_axes"]
+    return p["jaxpr"], p["mesh"], manual, p["check_vma"]
+
+
 def varying_axes(aval: Any) -> frozenset:
-    """Mesh axes over which a value (given by its aval) varies inside shard_map."""
+    """Mesh axes over which a value (given by its aval) varies inside shard_map.
+
+    jax 0.10 keeps them in `aval.manual_axis_type.varying`; 0.8 and 0.9 in
+    `aval.vma`.
+    """
     mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(getattr(mat, "varying", ()))
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(aval, "vma", ()))
 
 
 def local_aval(mesh: Any, manual_axes: frozenset, check_vma: bool, spec: Any,

@@ -320,7 +320,7 @@ def _run_to(jaxpr: Any, consts: Any, args: list, subs: list, stop: int | None,
             return subs[j]
         if inner is not None and any(True for _ in _sows(inner.jaxpr)):
             return _run_to(inner.jaxpr, inner.consts, vals, subs, stop, count)
-        outs = eqn.primitive.bind(*vals, **_jax.bind_params(eqn))
+        outs = _jax.bind_eqn(eqn, vals)
         return outs if eqn.primitive.multiple_results else [outs]
     return _jax.eval_eqns(jaxpr, consts, args, step)
 

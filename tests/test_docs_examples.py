@@ -1,6 +1,9 @@
 """The code blocks of docs/laws.md run as written."""
 
+import pytest
 
+
+@pytest.mark.slow
 def test_docs_examples():
     """Every ```python block of docs/laws.md runs, in order, in one namespace."""
     import pathlib

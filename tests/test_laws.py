@@ -20,6 +20,17 @@ import lazyharvest as lh
 from helpers import X, fresh_victim, simplest_with
 from lazyharvest import testing as T
 
+# The property suites take most of this file's time; the fast subset
+# (`-m "not slow"`) keeps every law on the simplest program of a few constructs.
+slow = pytest.mark.slow
+# The fast subset keeps these constructs (one per higher-order primitive).
+FAST_CONSTRUCTS = {"cond", "scan", "while", "jit", "checkpoint"}
+
+
+def constructs(names):
+    return [pytest.param(c, marks=() if c in FAST_CONSTRUCTS else slow)
+            for c in sorted(names)]
+
 HAS_TRANSFORMS = all(hasattr(lh, n) for n in ("vmap", "jit", "grad", "jacfwd", "jacrev"))
 needs_transforms = pytest.mark.xfail(not HAS_TRANSFORMS, reason="needs recorded transforms",
                                      strict=False)
@@ -39,6 +50,7 @@ def program_and_args(draw, **kw):
 # --- the laws over random programs ---------------------------------------------------
 
 @FEW
+@slow
 @given(program_and_args())
 def test_law1_linearize(pa):
     p, args = pa
@@ -46,6 +58,7 @@ def test_law1_linearize(pa):
 
 
 @FEW
+@slow
 @given(program_and_args())
 def test_law2_jvp(pa):
     p, args = pa
@@ -54,6 +67,7 @@ def test_law2_jvp(pa):
 
 @needs_transforms
 @FEW
+@slow
 @given(st.data())
 def test_law3_vmap(data):
     p = data.draw(T.programs())
@@ -64,6 +78,7 @@ def test_law3_vmap(data):
 
 
 @FEW
+@slow
 @given(program_and_args())
 def test_law4_jit(pa):
     p, args = pa
@@ -72,6 +87,7 @@ def test_law4_jit(pa):
 
 @needs_transforms
 @FEWER
+@slow
 @given(program_and_args())
 def test_law4_recorded_jit(pa):
     p, args = pa
@@ -79,6 +95,7 @@ def test_law4_recorded_jit(pa):
 
 
 @FEW
+@slow
 @given(program_and_args(exclude={"while"}))  # no reverse mode through while_loop
 def test_law5_vjp(pa):
     p, args = pa
@@ -86,6 +103,7 @@ def test_law5_vjp(pa):
 
 
 @FEW
+@slow
 @given(program_and_args())
 def test_law6_roundtrip(pa):
     p, args = pa
@@ -100,6 +118,7 @@ REVERSE_BUGS = {
 
 
 @FEW
+@slow
 @given(program_and_args())
 def test_law7_lazy_equals_direct_definition(pa):
     p, args = pa
@@ -107,6 +126,7 @@ def test_law7_lazy_equals_direct_definition(pa):
 
 
 @FEW
+@slow
 @given(program_and_args(exclude={"while"} | REVERSE_BUGS))
 def test_law7_reverse_mode_keys(pa):
     p, args = pa
@@ -115,6 +135,7 @@ def test_law7_reverse_mode_keys(pa):
 
 @needs_transforms
 @FEWER
+@slow
 @given(st.data())
 def test_law7_recorded_transforms(data):
     p = data.draw(T.programs(max_statements=4))
@@ -124,6 +145,7 @@ def test_law7_recorded_transforms(data):
 
 
 @FEW
+@slow
 @given(program_and_args())
 def test_law8_compute_equals_one_by_one(pa):
     p, args = pa
@@ -131,6 +153,7 @@ def test_law8_compute_equals_one_by_one(pa):
 
 
 @FEW
+@slow
 @given(program_and_args())
 def test_law9_nest(pa):
     p, args = pa
@@ -139,7 +162,7 @@ def test_law9_nest(pa):
 
 # --- every law on the simplest program with each construct ----------------------------
 
-@pytest.mark.parametrize("construct", sorted(T.CONSTRUCTS - {"site", "elementwise"}))
+@pytest.mark.parametrize("construct", constructs(T.CONSTRUCTS - {"site", "elementwise"}))
 def test_every_law_on_construct(construct):
     p = simplest_with(construct)
     args = p.example_args(7)
@@ -221,6 +244,7 @@ def _model_case(name):
     return rnn, (n(3, 3), n(3, 2), n(4, 2)), n(5, 4)
 
 
+@slow
 @pytest.mark.parametrize("name", ["mlp", "attention", "rnn"])
 def test_check_all_on_model(name):
     model, params, x = _model_case(name)

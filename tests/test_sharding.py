@@ -15,9 +15,13 @@ sow = lh.sow
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return jax.make_mesh((4, 2), ("x", "y"))
+@pytest.fixture(scope="module", params=["explicit", "auto"])
+def mesh(request):
+    # The default axis types differ between versions (jax 0.8: Auto; from 0.9:
+    # Explicit): test both everywhere.
+    kind = {"explicit": jax.sharding.AxisType.Explicit,
+            "auto": jax.sharding.AxisType.Auto}[request.param]
+    return jax.make_mesh((4, 2), ("x", "y"), axis_types=(kind, kind))
 
 
 def test_sharded_inputs_keep_shardings(mesh):

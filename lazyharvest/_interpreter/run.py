@@ -224,5 +224,5 @@ class Run:
 
 def bind(eqn: _jax.JaxprEqn, invals: list, params: dict | None = None) -> list:
     """Re-binds `eqn`'s primitive (with `params` instead of its own, if given)."""
-    outs = eqn.primitive.bind(*invals, **_jax.bind_params(eqn, params))
+    outs = _jax.bind_eqn(eqn, invals, params)
     return list(outs) if eqn.primitive.multiple_results else [outs]

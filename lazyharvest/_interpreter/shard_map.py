@@ -55,9 +55,10 @@ def _planted_layouts(run: Run, ops: PlantOperands, jaxpr: _jax.Jaxpr, inside,
     return [layout_of_aval(a, axes, check) for k in ops.keys for a in inner[k].avals]
 
 
-def _shard_map(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, mesh,
-               newly_manual_axes, check_vma, in_specs, out_specs, **_) -> list:
-    manual, check = newly_manual_axes, check_vma
+def _shard_map(run: Run, eqn: _jax.JaxprEqn, invals: list, *, in_specs, out_specs,
+               **_) -> list:
+    # The manual axes' param is named by JAX version: read through _jax.
+    jaxpr, mesh, manual, check = _jax.shard_map_params(eqn)
     axes = tuple(a for a in mesh.axis_names if a in manual)
     inside = lambda: _jax.shard_map_body_context(mesh, manual, check)
     ops = PlantOperands.of(run, [k for k in count_occurrences(jaxpr, run.harvest)

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Runs the test suite on each supported JAX version, one venv per version.
+
+    python scripts/compat.py                      # 0.8.3, 0.9.2, 0.10.2: full suite
+    python scripts/compat.py --fast 0.8.3 0.9.2   # the fast subset (-m "not slow")
+    python scripts/compat.py 0.9.2 -- -x tests/test_sharding.py   # pytest arguments
+
+For each version it makes (or reuses) a venv under the cache directory
+(--cache-dir, $LAZYHARVEST_COMPAT_DIR, or ~/.cache/lazyharvest-compat),
+installs `jax==V jaxlib==V` and this checkout with its test extra from PyPI
+(`pip install -e ".[test]"`, so pip also checks V against the declared
+range), then runs pytest from the repository root. At the end it prints one
+row per version: passed / failed / errors / skipped / xfailed / xpassed, the
+suite's wall-clock seconds and CPU seconds (user + sys; on a shared machine
+the wall clock also counts waiting for a core), and the setup seconds.
+
+Exit status: 0 when every suite passed; 1 when a suite failed; 2 when a venv
+could not be set up. Needs only Python >= 3.11 with the venv module and
+access to PyPI. See docs/compat.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DEFAULT_VERSIONS = ("0.8.3", "0.9.2", "0.10.2")  # lazyharvest/_jax.py: TESTED_JAX_VERSIONS
+COUNTS = ("passed", "failed", "errors", "skipped", "xfailed", "xpassed")
+
+
+def default_cache_dir() -> pathlib.Path:
+    env = os.environ.get("LAZYHARVEST_COMPAT_DIR")
+    if env:
+        return pathlib.Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "lazyharvest-compat"
+
+
+def run(cmd: list[str], log) -> int:
+    """Runs a setup command into the log; prints its output only if it fails."""
+    print("$", " ".join(map(str, cmd)), flush=True)
+    log.write("$ " + " ".join(map(str, cmd)) + "\n")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log.write(proc.stdout)
+    log.flush()
+    if proc.returncode != 0:
+        print(proc.stdout[-5000:], flush=True)
+    return proc.returncode
+
+
+def venv_python(venv: pathlib.Path) -> pathlib.Path:
+    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def setup(version: str, venv: pathlib.Path, python: str, fresh: bool, log) -> str | None:
+    """Makes the venv and installs into it; returns jaxlib's version, or None."""
+    if fresh and venv.exists():
+        shutil.rmtree(venv)
+    py = venv_python(venv)
+    if not py.exists():
+        if run([python, "-m", "venv", str(venv)], log) != 0:
+            return None
+        run([str(py), "-m", "pip", "install", "-q", "--upgrade", "pip"], log)
+    rc = run([str(py), "-m", "pip", "install", "-q", "-e", f"{ROOT}[test]",
+              f"jax=={version}", f"jaxlib=={version}"], log)
+    if rc != 0:
+        return None
+    probe = subprocess.run(
+        [str(py), "-c", "import jax, jaxlib, lazyharvest; "
+         "print(jax.__version__, jaxlib.__version__, lazyharvest.__file__)"],
+        cwd=ROOT, capture_output=True, text=True)
+    log.write(probe.stdout + probe.stderr)
+    if probe.returncode != 0:
+        print(probe.stderr)
+        return None
+    jax_v, jaxlib_v, where = probe.stdout.split()
+    print(f"jax {jax_v}, jaxlib {jaxlib_v}, lazyharvest from {where}", flush=True)
+    if jax_v != version or not pathlib.Path(where).resolve().is_relative_to(ROOT):
+        print(f"expected jax {version} and lazyharvest from {ROOT}")
+        return None
+    return jaxlib_v
+
+
+def summary(output: str) -> dict[str, int]:
+    """The counts of pytest's last summary line ('284 passed, 3 xfailed in ...')."""
+    lines = [line for line in output.splitlines() if re.search(r" in [\d.]+s", line)
+             and re.search(r"\d+ (passed|failed|error|skipped|deselected)", line)]
+    counts = dict.fromkeys(COUNTS, 0)
+    if lines:
+        for n, word in re.findall(r"(\d+) (\w+)", lines[-1]):
+            word = "errors" if word == "error" else word
+            if word in counts:
+                counts[word] = int(n)
+    return counts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("versions", nargs="*", default=list(DEFAULT_VERSIONS),
+                    help=f"JAX versions (default: {' '.join(DEFAULT_VERSIONS)})")
+    ap.add_argument("--fast", action="store_true",
+                    help='the fast subset: pytest -m "not slow"')
+    ap.add_argument("--cache-dir", type=pathlib.Path, default=default_cache_dir(),
+                    help="where the venvs live (default: %(default)s)")
+    ap.add_argument("--fresh", action="store_true", help="recreate the venvs")
+    ap.add_argument("--python", default=sys.executable,
+                    help="interpreter the venvs are made from (default: this one)")
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    check = subprocess.run([args.python, "-c", "import sys; print(sys.version_info >= (3, 11))"],
+                           capture_output=True, text=True)
+    if check.stdout.strip() != "True":
+        print(f"{args.python}: JAX >= 0.8 needs Python >= 3.11; pass --python", file=sys.stderr)
+        return 2
+
+    pytest_args = ["-q", "-p", "no:cacheprovider"]
+    if args.fast:
+        pytest_args += ["-m", "not slow"]
+    pytest_args += extra
+    subset = "fast" if args.fast else "full"
+    if extra:
+        subset += "+args"
+
+    rows, status, t_start = [], 0, time.perf_counter()
+    for version in args.versions:
+        venv = args.cache_dir / f"venv-jax-{version}"
+        print(f"\n=== jax {version}: {venv}", flush=True)
+        with open(args.cache_dir / f"jax-{version}.log", "w") as log:
+            t0 = time.perf_counter()
+            jaxlib_v = setup(version, venv, args.python, args.fresh, log)
+            t_setup = time.perf_counter() - t0
+            if jaxlib_v is None:
+                rows.append((version, "-", subset, dict.fromkeys(COUNTS, 0), 0.0, 0.0,
+                             t_setup, "SETUP FAILED"))
+                status = max(status, 2)
+                continue
+            t0, ru0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+            out: list[str] = []
+            cmd = [str(venv_python(venv)), "-m", "pytest", *pytest_args]
+            print("$", " ".join(cmd), flush=True)
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                log.write(line)
+                out.append(line)
+            sys.stdout.flush()
+            rc = proc.wait()
+            secs = time.perf_counter() - t0
+            ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime
+            counts = summary("".join(out))
+            result = "ok" if rc == 0 else f"FAILED (pytest exit {rc})"
+            if rc != 0:
+                status = max(status, 1)
+            rows.append((version, jaxlib_v, subset, counts, secs, cpu, t_setup, result))
+
+    print("\n" + "=" * 100)
+    head = (f"{'jax':<8} {'jaxlib':<8} {'subset':<10} "
+            + " ".join(f"{c:>7}" for c in COUNTS)
+            + f" {'seconds':>8} {'cpu s':>8} {'setup s':>8}  result")
+    print(head)
+    print("-" * len(head))
+    for version, jaxlib_v, sub, counts, secs, cpu, t_setup, result in rows:
+        print(f"{version:<8} {jaxlib_v:<8} {sub:<10} "
+              + " ".join(f"{counts[c]:>7}" for c in COUNTS)
+              + f" {secs:>8.1f} {cpu:>8.1f} {t_setup:>8.1f}  {result}")
+    print(f"total {time.perf_counter() - t_start:.0f} s; logs in {args.cache_dir}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
