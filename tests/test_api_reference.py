@@ -8,6 +8,7 @@ import inspect
 import pathlib
 import re
 
+import jax
 import pytest
 
 import lazyharvest as lh
@@ -79,6 +80,11 @@ def test_methods_testing_and_plot_are_documented():
                          ids=[h[0] for h in headings() if h[1]])
 def test_signature_matches_the_code(name, params):
     obj, drop_self = resolve(name)
+    wrapped = getattr(obj, "__wrapped__", None)
+    if wrapped is not None and wrapped is getattr(jax, name.split(".")[-1], None) and \
+            jax.__version__ != "0.10.2":
+        pytest.skip("recorded transforms take the running JAX's signature; "
+                    "docs/api.md writes jax 0.10.2's")
     assert written(params) == actual(obj, drop_self), (
         f"{name}{params} in docs/api.md; the code has {inspect.signature(obj)}")
 
