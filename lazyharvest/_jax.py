@@ -319,6 +319,11 @@ def has_tangent(trace: Any, x: Any) -> bool:
     return type(trace.to_primal_tangent_pair(x)[1]) is not Zero
 
 
+def primal_of(trace: Any, x: Any) -> Any:
+    """The primal value of `x` at the differentiation trace `trace`."""
+    return trace.to_primal_tangent_pair(x)[0]
+
+
 def differentiable(aval: Any) -> bool:
     """A value of this aval has tangents (float or complex, not int/bool)."""
     return aval.to_tangent_aval().dtype != jax.dtypes.float0
@@ -481,3 +486,28 @@ def stage_unfolded(trace: Any, prim: Primitive, args: Sequence[Any], params: dic
 
 def no_constant_folding():
     return _config.eager_constant_folding(False)
+
+
+def wrap_transpose(prim: Primitive, keep: Callable[[dict], bool]) -> None:
+    """`prim`'s transpose (jit, cond) runs the backward pass of its body even
+    when every cotangent reaching it is zero, if `keep(params)`: JAX skips a
+    body whose cotangents are all zero unless it has effects, and a site
+    there still records its (zero) cotangent."""
+    original = _ad.fancy_transposes.get(prim)
+    if original is None or getattr(original, "_lazyharvest", False):
+        return
+
+    def shown(x: Any) -> Any:
+        if isinstance(x, ClosedJaxpr):
+            inner = x.jaxpr.replace(effects=x.jaxpr.effects | {_keep_effect})
+            return ClosedJaxpr(inner, x.consts)
+        if isinstance(x, tuple):
+            return tuple(shown(y) for y in x)
+        return x
+
+    def rule(cts_in, *args, **params):
+        if all(type(c) is Zero for c in cts_in) and keep(params):
+            params = {n: shown(v) for n, v in params.items()}
+        return original(cts_in, *args, **params)
+    rule._lazyharvest = True  # type: ignore[attr-defined]
+    _ad.fancy_transposes[prim] = rule

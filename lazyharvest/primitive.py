@@ -212,7 +212,11 @@ def _holds_tangent_sites(eqn) -> bool:
     """`eqn` is, or holds in a body, a tangent/cotangent site."""
     if eqn.primitive is sow_p:
         return _is_derivative(eqn.params)
-    for v in eqn.params.values():
+    return _bodies_hold_tangent_sites(eqn.params)
+
+
+def _bodies_hold_tangent_sites(params: dict) -> bool:
+    for v in params.values():
         for x in v if isinstance(v, (tuple, list)) else (v,):
             j = getattr(x, "jaxpr", x)  # a ClosedJaxpr's jaxpr, or a Jaxpr
             if isinstance(j, _jax.Jaxpr) and _jaxpr_holds_tangent_sites(j):
@@ -243,6 +247,7 @@ def _constant_site(default, kind, trace, args, avals, params):
     It gets a zero tangent instead, like any site whose tangent is zero."""
     if kind == "vjp" and _jax.under_eager_shard_map(trace):
         return default(trace, args, avals, params)  # eager shard_map refuses refs
+    args = [_jax.primal_of(trace, x) for x in args]  # tracers of `trace` with zero tangents
     path = params["path"]
     rest = {k: v for k, v in params.items() if k != "path"}
     with _jax.current_trace(_jax.parent_trace(trace)):
@@ -302,9 +307,18 @@ _jax.register_dce_rule(sow_p, _dce)
 _jax.register_partial_eval_rule(sow_p, _partial_eval)
 _jax.register_remat_rule(sow_p, _checkpointed(_remat_partial_eval))
 _jax.register_bind_hook(sow_p, _make_bind)
+
+
+def _transposes_sites(params: dict) -> bool:
+    """A body holding tangent sites, transposed while a harvest is traced."""
+    return bool(active_tags()) and _bodies_hold_tangent_sites(params)
+
+
 for _prim in (_jax.jit_p, _jax.scan_p, _jax.cond_p):
     _jax.wrap_linearization(_prim, _holds_tangent_sites)
     _jax.wrap_dce_rule(_prim, _holds_tangent_sites)
+for _prim in (_jax.jit_p, _jax.cond_p):
+    _jax.wrap_transpose(_prim, _transposes_sites)
 
 
 def _check_leaf(leaf: Any, tag: Hashable, name: str) -> Any:
