@@ -364,6 +364,29 @@ def with_tangent(trace: Any, primal: Any, tangent: Any) -> Any:
     return _ad.LinearizeTracer(trace, primal, tangent)
 
 
+def with_zero_tangent(trace: Any, x: Any, linear: bool) -> Any:
+    """`x` as a tracer of the differentiation trace `trace` with a zero
+    tangent (one the backward pass treats as linear, with `linear`)."""
+    x = primal_of(trace, x)
+    aval = jax.typeof(x)
+    if isinstance(trace, _ad.JVPTrace):
+        with _core.set_current_trace(trace.parent_trace):
+            return _ad.JVPTracer(trace, x, zeros_tangent(aval))
+    with _core.set_current_trace(trace.tangent_trace), no_constant_folding():
+        zero = linear_zero(aval) if linear else zeros_tangent(aval)
+    return _ad.LinearizeTracer(trace, x, zero)
+
+
+def under_linearization(trace: Any) -> bool:
+    """Whether a `jax.linearize`/`jax.vjp` trace or a partial evaluation is
+    below `trace` (its values may end up in a linear function)."""
+    while trace is not None:
+        if isinstance(trace, (_ad.LinearizeTrace, _pe.JaxprTrace)):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
 def records_program(trace: Any) -> bool:
     """Whether values bound on a `jax.jvp` trace end up in a traced program
     (False when every trace below is a JVP trace over eager evaluation)."""
@@ -404,16 +427,17 @@ def keep_staged(keep: Callable[[JaxprEqn], bool]):
         yield
         return
     start = len(frame.tracing_eqns)
+    frame.auto_dce = False  # hold every eqn staged in the block, even output-less ones
     try:
         yield
     finally:
+        frame.auto_dce = True
         staged = frame.tracing_eqns
         for i in range(start, len(staged)):
-            ref = staged[i]
-            if isinstance(ref, weakref.ReferenceType):
-                eqn = ref()
-                if eqn is not None and keep(eqn):
-                    staged[i] = eqn
+            eqn = staged[i]
+            if not isinstance(eqn, weakref.ReferenceType) and not eqn.effects \
+                    and not keep(eqn):
+                staged[i] = weakref.ref(eqn)  # as JAX would have held it
 
 
 def wrap_linearization(prim: Primitive, keep: Callable[[JaxprEqn], bool]) -> None:
@@ -445,7 +469,10 @@ def wrap_dce_rule(prim: Primitive, keep: Callable[[JaxprEqn], bool]) -> None:
         if not any(used_outputs) and keep(eqn):
             shown = new_jaxpr_eqn(eqn.invars, eqn.outvars, eqn.primitive, eqn.params,
                                   eqn.effects | {_keep_effect}, eqn.source_info, eqn.ctx)
-            return original(used_outputs, shown)
+            used_inputs, new_eqn = original(used_outputs, shown)
+            if new_eqn is None:  # (jit drops a body that uses no input): keep it whole
+                return [True] * len(eqn.invars), eqn
+            return used_inputs, new_eqn
         return original(used_outputs, eqn)
     rule._lazyharvest = True  # type: ignore[attr-defined]
     pe.dce_rules[prim] = rule
@@ -489,7 +516,7 @@ def no_constant_folding():
 
 
 def wrap_transpose(prim: Primitive, keep: Callable[[dict], bool]) -> None:
-    """`prim`'s transpose (jit, cond) runs the backward pass of its body even
+    """`prim`'s transpose (jit, scan, cond) runs the backward pass of its body even
     when every cotangent reaching it is zero, if `keep(params)`: JAX skips a
     body whose cotangents are all zero unless it has effects, and a site
     there still records its (zero) cotangent."""

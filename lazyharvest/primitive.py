@@ -194,34 +194,43 @@ def _dce(used_outputs, eqn):
     return _jax.default_dce_rule(used_outputs, eqn)
 
 
-_TANGENT_SITES: dict = {}
+_HOLDS: dict = {}  # (id(jaxpr), tangent only) -> (jaxpr, found)
 
 
-def _jaxpr_holds_tangent_sites(jaxpr) -> bool:
-    hit = _TANGENT_SITES.get(id(jaxpr))
+def _jaxpr_holds(jaxpr, tangent: bool) -> bool:
+    hit = _HOLDS.get((id(jaxpr), tangent))
     if hit is not None and hit[0] is jaxpr:
         return hit[1]
-    found = any(_holds_tangent_sites(e) for e in jaxpr.eqns)
-    if len(_TANGENT_SITES) > 4096:
-        _TANGENT_SITES.clear()
-    _TANGENT_SITES[id(jaxpr)] = (jaxpr, found)
+    found = any(_eqn_holds(e, tangent) for e in jaxpr.eqns)
+    if len(_HOLDS) > 4096:
+        _HOLDS.clear()
+    _HOLDS[(id(jaxpr), tangent)] = (jaxpr, found)
     return found
+
+
+def _eqn_holds(eqn, tangent: bool) -> bool:
+    if eqn.primitive is sow_p:
+        return _is_derivative(eqn.params) or not tangent
+    return _bodies_hold(eqn.params, tangent)
+
+
+def _bodies_hold(params: dict, tangent: bool) -> bool:
+    """Some body among `params` holds a site (a tangent/cotangent one)."""
+    for v in params.values():
+        for x in v if isinstance(v, (tuple, list)) else (v,):
+            j = getattr(x, "jaxpr", x)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+            if isinstance(j, _jax.Jaxpr) and _jaxpr_holds(j, tangent):
+                return True
+    return False
 
 
 def _holds_tangent_sites(eqn) -> bool:
     """`eqn` is, or holds in a body, a tangent/cotangent site."""
-    if eqn.primitive is sow_p:
-        return _is_derivative(eqn.params)
-    return _bodies_hold_tangent_sites(eqn.params)
+    return _eqn_holds(eqn, True)
 
 
 def _bodies_hold_tangent_sites(params: dict) -> bool:
-    for v in params.values():
-        for x in v if isinstance(v, (tuple, list)) else (v,):
-            j = getattr(x, "jaxpr", x)  # a ClosedJaxpr's jaxpr, or a Jaxpr
-            if isinstance(j, _jax.Jaxpr) and _jaxpr_holds_tangent_sites(j):
-                return True
-    return False
+    return _bodies_hold(params, True)
 
 
 def _make_bind(default):
@@ -269,8 +278,7 @@ def _constant_site(default, kind, trace, args, avals, params):
         # Forward mode: record a zero tangent; downstream the tangent stays a
         # symbolic zero, so the program does no arithmetic on it.
         zeros = [_jax.zeros_tangent(a) for a in avals]
-        kept = sow_p.bind(*zeros, path=path + (JVP,), **rest)  # alive until kept
-    del kept
+        sow_p.bind(*zeros, path=path + (JVP,), **rest)
     return outs
 
 
@@ -302,6 +310,30 @@ def _checkpointed(rule):
     return remat_rule
 
 
+def _make_body_bind(default):
+    """The bind hook of jit, scan and cond: one none of whose inputs has a
+    tangent at a level of differentiation is skipped by JAX's rules as a
+    whole, so the sites in its body would never meet that level. If the body
+    holds sites, one input gets a zero tangent, and the sites inside are then
+    dead or constant sites of that level like any other."""
+    def bind_with_trace(trace, args, avals, params):
+        kind = _jax.differentiation_kind(trace)
+        if (kind is None or any(_jax.has_tangent(trace, x) for x in args)
+                or not _bodies_hold(params, False)):
+            return default(trace, args, avals, params)
+        if kind == "jvp" and not (active_tags() or _jax.under_linearization(trace)):
+            # jax.jvp's values are recorded only by a harvest (a jitted jvp is
+            # retraced when one starts): no arithmetic on zeros outside one.
+            return default(trace, args, avals, params)
+        for i, a in enumerate(avals):
+            if _jax.differentiable(a):
+                args = list(args)
+                args[i] = _jax.with_zero_tangent(trace, args[i], linear=kind == "vjp")
+                break
+        return default(trace, args, avals, params)
+    return bind_with_trace
+
+
 _jax.register_linearization(sow_p, _linearize)
 _jax.register_dce_rule(sow_p, _dce)
 _jax.register_partial_eval_rule(sow_p, _partial_eval)
@@ -317,8 +349,12 @@ def _transposes_sites(params: dict) -> bool:
 for _prim in (_jax.jit_p, _jax.scan_p, _jax.cond_p):
     _jax.wrap_linearization(_prim, _holds_tangent_sites)
     _jax.wrap_dce_rule(_prim, _holds_tangent_sites)
-for _prim in (_jax.jit_p, _jax.cond_p):
+for _prim in (_jax.jit_p, _jax.scan_p, _jax.cond_p):
     _jax.wrap_transpose(_prim, _transposes_sites)
+# (Not while_loop: JAX cannot differentiate one in reverse mode, nor split one
+# for jax.linearize; nor jax.checkpoint, whose constant sites have no keys.)
+for _prim in (_jax.jit_p, _jax.scan_p, _jax.cond_p):
+    _jax.register_bind_hook(_prim, _make_body_bind)
 
 
 def _check_leaf(leaf: Any, tag: Hashable, name: str) -> Any:

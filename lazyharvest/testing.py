@@ -317,12 +317,11 @@ def _all_zero(x: Any) -> bool:
 
 
 class _Evidence:
-    """Why a derivative key may be absent (docs/laws.md, "narrowed"): the
-    site is a *constant* (its tangent is zero: JAX never differentiates it) or
-    *dead* (the output does not depend on it: the derivative of
-    ``p -> plant(f)({k: p}, x)`` is zero, so a linear/backward function built
-    outside a harvest no longer contains it). Computed only when a key is
-    missing, in forward mode (works for ``while_loop`` too)."""
+    """Evidence that an absent derivative key is one the narrowed laws allow
+    (docs/laws.md: a constant site inside ``jax.checkpoint``): the site's
+    tangent is zero, or the derivative of ``p -> plant(f)({k: p}, x)`` is zero.
+    Computed only when a key is missing, in forward mode (works for
+    ``while_loop`` too). ``strict_keys=True`` accepts no evidence."""
 
     def __init__(self, f: Callable, args: Sequence[Any], tag: Hashable):
         self.f, self.args, self.tag = f, tuple(args), tag
@@ -384,7 +383,9 @@ def check_linearize(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     Left: the reaped linear function, a dict ``{(*scopes, name): tangent}``
     (plain names). Right: the linear map of ``x -> reap(f)(x).compute()``.
     Every tangent on the left must be on the right with the same value. A key
-    of the right may be missing on the left only for a constant or dead site;
+    of the right may be missing on the left only for a site whose tangent is
+    zero or whose plant does not reach the output (docs/laws.md narrows the law
+    for constant sites inside ``jax.checkpoint``);
     when ``f`` runs a ``while_loop`` the left has ``jax.jvp``'s keys instead
     (tangents under ``("jvp", *k)``, values of the loop's sites under ``k``,
     equal to ``reap(f)``'s), see docs/laws.md. ``strict_keys=True`` checks the
@@ -433,8 +434,8 @@ def check_jvp(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     ``("jvp", *k)``. Right: ``jax.jvp(lambda *x: reap(f)(*x).compute(), args, t)``
     as ``(values, tangents)``; the tangent of key ``k`` is expected under
     ``("jvp", *k)`` (after ``k``'s labels, if any). A tangent key may be
-    missing only where the tangent is zero (a constant site, docs/laws.md);
-    ``strict_keys=True`` requires every one.
+    missing only where the tangent is zero (constant sites have their zero
+    tangent key, docs/laws.md); ``strict_keys=True`` requires every one.
     """
     law = _law(2)
     t = _random_like(args, 2) if tangents is None else tangents
@@ -505,8 +506,10 @@ def check_vjp(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
 
     With ``bwd = jax.vjp(f, *args)[1]`` and a random ``ct_out``:
 
-    (b) ``reap(bwd)(ct_out)`` has every key of ``reap(f)`` (except constant
-        or dead sites, docs/laws.md; all of them with ``strict_keys``) and,
+    (b) ``reap(bwd)(ct_out)`` has every key of ``reap(f)`` (a key may be
+        missing where the tangent is zero or the plant does not reach the
+        output: docs/laws.md narrows the law for constant sites inside
+        ``jax.checkpoint``; all of them with ``strict_keys``) and,
         for ``k`` in ``keys``, equals ``grad_p <ct_out, plant(f)({k: p}, x)>``
         at ``p = reap(f)(x)[k]``. Default ``keys``: the sites sown exactly
         once per run (for a site sown several times the plant gradient is a
@@ -686,9 +689,10 @@ def check_lazy(f: Callable, *args: Any, tag: Hashable, slices: Mapping[Any, Call
       stack.expected(slices[k], mask)(x)`` for every key of
       ``Stack.key_labels`` (SPEC 3.3); the other parts are not run.
 
-    A derivative key may be missing only for a constant site (zero tangent)
-    or, for the linear/backward functions, a dead one (zero cotangent), as
-    docs/laws.md narrows SPEC; ``strict_keys=True`` requires every key.
+    A derivative key may be missing only where the tangent (or, for the
+    linear/backward functions, the cotangent) is zero, as docs/laws.md narrows
+    SPEC for constant sites inside ``jax.checkpoint``; ``strict_keys=True``
+    requires every key.
     """
     slices = {_norm(k): s for k, s in slices.items()}
     if stack is not None:
