@@ -124,6 +124,17 @@ def test_dead_site_in_jit_whose_outputs_are_unused():
     close(reaped(jax.vjp(h, 3.)[1], 1.)["y"], 0.)
 
 
+def test_dead_scan_whose_outputs_are_unused_outside_reap():
+    def h(x):
+        lax.scan(lambda c, xi: (c * xi, lh.sow(jnp.cos(c), tag="t", name="s", mode="append")),
+                 x, TX)
+        return x + 1
+    d = reaped(jax.linearize(h, 0.3)[1], 1.)
+    cs = 0.3 * jnp.concatenate([jnp.ones(1), jnp.cumprod(TX)[:-1]])
+    close(d["s"], jax.jvp(lambda x: jnp.cos(x * cs / 0.3), (0.3,), (1.,))[1])
+    close(reaped(jax.vjp(h, 0.3)[1], 1.)["s"], jnp.zeros(3))
+
+
 def test_dead_site_in_checkpoint_outside_reap():
     h = jax.checkpoint(g)
     close(reaped(jax.linearize(h, 3.)[1], 0.5)["y"], 3.)
@@ -248,6 +259,46 @@ def test_constant_sites_in_scan_and_cond_bodies():
         close(reaped(jax.vjp(f, X)[1], 1.)["c"], want)
         close(reaped(lambda x: jax.jvp(f, (x,), (TX,)), X)["jvp", "c"], jnp.zeros(3))
         close(reaped(jax.linearize(f, X)[1], TX)["c"], jnp.zeros(3))
+
+
+def test_constant_bodies_of_jit_scan_and_cond_keep_their_sites():
+    # JAX skips a jit/scan/cond none of whose inputs has a tangent as a whole.
+    # Each program takes `e`: the perturbation added at its site `k`.
+    def in_jit(x, e=None):
+        k = jax.jit(lambda c: c * 2. + e if e is not None
+                    else lh.sow(c * 2., tag="t", name="k"))(C0)
+        return jnp.sum(k * jnp.sin(x))
+
+    def in_cond(x, e=None):
+        def br(s):
+            return lambda c: s * c + e if e is not None else lh.sow(s * c, tag="t", name="k")
+        return jnp.sum(lax.cond(C0[0] > 0, br(2.), br(-1.), C0) * x)
+
+    def in_scan(x, e=None):  # one perturbation per occurrence
+        def step(carry, inp):
+            ci, ei = inp
+            v = carry * ci
+            return carry, (v + ei if e is not None
+                           else lh.sow(v, tag="t", name="k", mode="append"))
+        return jnp.sum(lax.scan(step, 2., (C0, jnp.zeros(3) if e is None else e))[1] * x)
+
+    for f in (in_jit, in_cond, in_scan):
+        want = jax.grad(lambda e, f=f: f(X, e))(jnp.zeros(3))
+        close(reaped(jax.grad(f), X)["vjp", "k"], want)
+        close(reaped(jax.vjp(f, X)[1], 1.)["k"], want)
+        close(reaped(lambda x, f=f: jax.jvp(f, (x,), (TX,)), X)["jvp", "k"], jnp.zeros(3))
+        close(reaped(jax.linearize(f, X)[1], TX)["k"], jnp.zeros(3))
+
+
+def test_constant_while_loop_sites_have_no_derivative_keys():
+    # Not supported (docs/semantics.md): a while loop none of whose inputs has
+    # a tangent is skipped by JAX as a whole.
+    def f(x):
+        k = lax.while_loop(lambda s: s[0] < 2, lambda s: (
+            s[0] + 1, lh.sow(s[1] * 2., tag="t", name="k", mode="clobber")), (0, C0))[1]
+        return jnp.sum(k * x)
+    assert set(reaped(jax.grad(f), X).keys()) == {"k"}
+    assert set(reaped(lambda x: jax.jvp(f, (x,), (TX,)), X).keys()) == {"k"}
 
 
 def test_constant_sites_pass_the_laws_with_strict_keys():
