@@ -11,7 +11,9 @@ otherwise, and raises `require`'s error where an older JAX lacks a feature.
 
 from __future__ import annotations
 
+import contextlib
 import re
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,6 +63,7 @@ from jax._src import effects as _effects  # noqa: E402
 from jax._src import sharding_impls as _sharding_impls  # noqa: E402
 from jax._src import source_info_util as _source_info_util  # noqa: E402
 from jax._src import traceback_util as _traceback_util  # noqa: E402
+from jax._src.interpreters import ad as _ad  # noqa: E402
 from jax._src.interpreters import partial_eval as _pe  # noqa: E402
 from jax.api_util import debug_info as _debug_info  # noqa: E402
 from jax.api_util import flatten_fun_nokwargs as _flatten_fun_nokwargs  # noqa: E402
@@ -401,3 +404,283 @@ def wrap_cond_batcher(make_rule: Callable[[Callable], Callable]) -> None:
 def _jax_batching_private():
     from jax._src.interpreters import batching as _batching
     return _batching
+
+
+# --- constant and dead sites under JAX's own differentiation ------------------
+# JAX calls a primitive's differentiation rule only when some input carries a
+# nonzero tangent, and drops effect-free eqns whose outputs nobody uses (the
+# tangent traces of linearize hold such eqns weakly; its DCE passes remove
+# them). The helpers below let `sow` give a constant site a (zero) tangent and
+# keep a tangent site alive in the linear program until its trace ends.
+
+def register_bind_hook(prim: Primitive, make_rule: Callable[[Callable], Callable]) -> None:
+    """Every bind of `prim` goes through `make_rule(default)(trace, args, avals,
+    params)`; `default` is JAX's own `bind_with_trace`."""
+    default = _core.Primitive.bind_with_trace
+
+    def base(trace, args, avals, params):
+        return default(prim, trace, args, avals, params)
+    prim.def_bind_with_trace(make_rule(base))
+
+
+def register_linearization(prim: Primitive, rule: Callable) -> None:
+    """`rule(is_vjp, nonzeros, *primals, **params) -> (primals_out,
+    nonzeros_out, residuals, linearized)`; `linearized(residuals, *tangents)`
+    runs on the tangent trace."""
+    _ad.primitive_linearizations[prim] = rule
+
+
+def register_dce_rule(prim: Primitive, rule: Callable) -> None:
+    """`rule(used_outputs, eqn) -> (used_inputs, eqn or None)`."""
+    pe.dce_rules[prim] = rule
+
+
+def default_dce_rule(used_outputs: Sequence[bool], eqn: JaxprEqn) -> tuple[list, Any]:
+    return _pe._default_dce_rule(list(used_outputs), eqn)
+
+
+def differentiation_kind(trace: Any) -> str | None:
+    """"jvp" for a `jax.jvp` trace, "linearize" / "vjp" for the traces of
+    `jax.linearize` / `jax.vjp` and `jax.grad`; None for any other trace."""
+    if isinstance(trace, _ad.JVPTrace):
+        return "jvp"
+    if isinstance(trace, _ad.LinearizeTrace):
+        return "vjp" if trace.is_vjp else "linearize"
+    return None
+
+
+def under_differentiation() -> bool:
+    """Whether a differentiation (or its partial evaluation) is among the
+    current traces, so values bound now may end up in a derived program."""
+    trace = _core.trace_ctx.trace
+    while trace is not None:
+        if isinstance(trace, (_ad.JVPTrace, _ad.LinearizeTrace, _pe.JaxprTrace)):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+def has_tangent(trace: Any, x: Any) -> bool:
+    """`x` carries a nonzero tangent of the differentiation trace `trace`."""
+    return type(trace.to_primal_tangent_pair(x)[1]) is not Zero
+
+
+def primal_of(trace: Any, x: Any) -> Any:
+    """The primal value of `x` at the differentiation trace `trace`."""
+    return trace.to_primal_tangent_pair(x)[0]
+
+
+def differentiable(aval: Any) -> bool:
+    """A value of this aval has tangents (float or complex, not int/bool)."""
+    return aval.to_tangent_aval().dtype != jax.dtypes.float0
+
+
+def parent_trace(trace: Any) -> Any:
+    return trace.parent_trace
+
+
+def tangent_trace(trace: Any) -> Any:
+    """The trace tangents of a differentiation trace are computed on."""
+    return getattr(trace, "tangent_trace", None) or trace.parent_trace
+
+
+def current_trace(trace: Any):
+    return _core.set_current_trace(trace)
+
+
+def zeros_tangent(aval: Any) -> Any:
+    """Instantiated zeros of the tangent type of `aval`, on the current trace."""
+    from jax._src import ad_util as _ad_util
+
+    return _ad_util.zeros_like_aval(aval.to_tangent_aval())
+
+
+def linear_zero(aval: Any) -> Any:
+    """Zeros of the tangent type of `aval`, on the current (tangent) trace of
+    a `jax.vjp`, that the backward pass treats as linear: a cotangent reaches
+    the eqns that use them. (An eqn of the backward pass is transposed only if
+    some input is linear; a value read from a fresh reference is, as JAX's own
+    references are.)"""
+    return _core.freeze(_core.new_ref(zeros_tangent(aval)))
+
+
+def with_tangent(trace: Any, primal: Any, tangent: Any) -> Any:
+    """The tracer of the `jax.linearize`/`jax.vjp` trace `trace` for a primal
+    value (on its parent trace) and its tangent (on its tangent trace)."""
+    return _ad.LinearizeTracer(trace, primal, tangent)
+
+
+def with_zero_tangent(trace: Any, x: Any, linear: bool) -> Any:
+    """`x` as a tracer of the differentiation trace `trace` with a zero
+    tangent (one the backward pass treats as linear, with `linear`)."""
+    x = primal_of(trace, x)
+    aval = jax.typeof(x)
+    if isinstance(trace, _ad.JVPTrace):
+        with _core.set_current_trace(trace.parent_trace):
+            return _ad.JVPTracer(trace, x, zeros_tangent(aval))
+    with _core.set_current_trace(trace.tangent_trace), no_constant_folding():
+        zero = linear_zero(aval) if linear else zeros_tangent(aval)
+    return _ad.LinearizeTracer(trace, x, zero)
+
+
+def under_linearization(trace: Any) -> bool:
+    """Whether a `jax.linearize`/`jax.vjp` trace or a partial evaluation is
+    below `trace` (its values may end up in a linear function)."""
+    while trace is not None:
+        if isinstance(trace, (_ad.LinearizeTrace, _pe.JaxprTrace)):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+def records_program(trace: Any) -> bool:
+    """Whether values bound on a `jax.jvp` trace end up in a traced program
+    (False when every trace below is a JVP trace over eager evaluation)."""
+    while isinstance(trace, _ad.JVPTrace):
+        trace = trace.parent_trace
+    return not isinstance(trace, _core.EvalTrace)
+
+
+def under_eager_shard_map(trace: Any) -> bool:
+    """Whether an eager (un-jitted) `shard_map` is among the traces below."""
+    from jax._src import shard_map as _shard_map
+
+    while trace is not None:
+        if isinstance(trace, _shard_map.ShardMapTrace):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+class _KeepEffect(Effect):
+    """Shown transiently to JAX's DCE rules of jit/scan/cond so they look
+    inside an eqn none of whose outputs is used; never stored in a jaxpr."""
+
+
+_keep_effect = _KeepEffect()
+
+
+@contextlib.contextmanager
+def keep_staged(keep: Callable[[JaxprEqn], bool]):
+    """Eqns staged inside the block for which `keep(eqn)` holds stay in the
+    current jaxpr trace until it ends, even if nothing uses their outputs.
+
+    JAX's tangent traces (`auto_dce`) hold effect-free eqns by weak reference:
+    this turns those references into strong ones, as for effectful eqns.
+    """
+    frame = getattr(_core.trace_ctx.trace, "frame", None)
+    if frame is None or not frame.auto_dce:
+        yield
+        return
+    start = len(frame.tracing_eqns)
+    frame.auto_dce = False  # hold every eqn staged in the block, even output-less ones
+    try:
+        yield
+    finally:
+        frame.auto_dce = True
+        staged = frame.tracing_eqns
+        for i in range(start, len(staged)):
+            eqn = staged[i]
+            if not isinstance(eqn, weakref.ReferenceType) and not eqn.effects \
+                    and not keep(eqn):
+                staged[i] = weakref.ref(eqn)  # as JAX would have held it
+
+
+def wrap_linearization(prim: Primitive, keep: Callable[[JaxprEqn], bool]) -> None:
+    """`prim`'s linearization keeps the tangent eqns `keep` selects (a jit,
+    scan or cond holding tangent sites whose outputs nobody uses)."""
+    original = _ad.primitive_linearizations.get(prim)
+    if original is None or getattr(original, "_lazyharvest", False):
+        return
+
+    def rule(*args, **params):
+        primals_out, nzs_out, residuals, linearized = original(*args, **params)
+
+        def kept(*a, **k):
+            with keep_staged(keep):
+                return linearized(*a, **k)
+        return primals_out, nzs_out, residuals, kept
+    rule._lazyharvest = True  # type: ignore[attr-defined]
+    _ad.primitive_linearizations[prim] = rule
+
+
+def wrap_dce_rule(prim: Primitive, keep: Callable[[JaxprEqn], bool]) -> None:
+    """`prim`'s DCE rule looks inside an eqn `keep` selects even when none of
+    its outputs is used (JAX's rules drop such an effect-free eqn whole)."""
+    original = pe.dce_rules.get(prim)
+    if original is None or getattr(original, "_lazyharvest", False):
+        return
+
+    def rule(used_outputs, eqn):
+        if not any(used_outputs) and keep(eqn):
+            shown = new_jaxpr_eqn(eqn.invars, eqn.outvars, eqn.primitive, eqn.params,
+                                  eqn.effects | {_keep_effect}, eqn.source_info, eqn.ctx)
+            used_inputs, new_eqn = original(used_outputs, shown)
+            if new_eqn is None:  # (jit drops a body that uses no input): keep it whole
+                return [True] * len(eqn.invars), eqn
+            return used_inputs, new_eqn
+        return original(used_outputs, eqn)
+    rule._lazyharvest = True  # type: ignore[attr-defined]
+    pe.dce_rules[prim] = rule
+
+
+def register_partial_eval_rule(prim: Primitive, rule: Callable) -> None:
+    """`rule(trace, *tracers, **params)` for JAX's partial evaluation
+    (`JaxprTrace`: `jax.checkpoint`'s transpose, `jax.linear_transpose`...)."""
+    _pe.custom_partial_eval_rules[prim] = rule
+
+
+def partial_eval_kept(trace: Any, prim: Primitive, tracers: Sequence[Any],
+                      params: dict) -> list:
+    """Partial evaluation of `prim` as JAX does it by default, except that an
+    eqn it stages stays in the jaxpr even if no output is used (as an eqn
+    with an effect would)."""
+    outs = trace.default_process_primitive(prim, list(tracers), params)
+    recipe = getattr(outs[0], "recipe", None) if outs else None
+    if isinstance(recipe, _pe.JaxprEqnRecipe):
+        trace.effect_handles.append(_pe.EffectHandle(list(recipe.in_tracers), recipe))
+    return outs
+
+
+def folds_constants(trace: Any, args: Sequence[Any]) -> bool:
+    """Whether `trace` would evaluate an op on `args` right away instead of
+    staging it (inside `jax.ensure_compile_time_eval`)."""
+    return (isinstance(trace, _pe.DynamicJaxprTrace)
+            and _config.eager_constant_folding.value and not any_tracer(args))
+
+
+def stage_unfolded(trace: Any, prim: Primitive, args: Sequence[Any], params: dict) -> Any:
+    """Stages `prim` on the jaxpr trace `trace` even where constant folding
+    would evaluate it."""
+    info = _source_info_util.current()
+    tracers = [trace.to_jaxpr_tracer(x, info) for x in args]
+    return trace.default_process_primitive(prim, tracers, params, info)
+
+
+def no_constant_folding():
+    return _config.eager_constant_folding(False)
+
+
+def wrap_transpose(prim: Primitive, keep: Callable[[dict], bool]) -> None:
+    """`prim`'s transpose (jit, scan, cond) runs the backward pass of its body even
+    when every cotangent reaching it is zero, if `keep(params)`: JAX skips a
+    body whose cotangents are all zero unless it has effects, and a site
+    there still records its (zero) cotangent."""
+    original = _ad.fancy_transposes.get(prim)
+    if original is None or getattr(original, "_lazyharvest", False):
+        return
+
+    def shown(x: Any) -> Any:
+        if isinstance(x, ClosedJaxpr):
+            inner = x.jaxpr.replace(effects=x.jaxpr.effects | {_keep_effect})
+            return ClosedJaxpr(inner, x.consts)
+        if isinstance(x, tuple):
+            return tuple(shown(y) for y in x)
+        return x
+
+    def rule(cts_in, *args, **params):
+        if all(type(c) is Zero for c in cts_in) and keep(params):
+            params = {n: shown(v) for n, v in params.items()}
+        return original(cts_in, *args, **params)
+    rule._lazyharvest = True  # type: ignore[attr-defined]
+    _ad.fancy_transposes[prim] = rule

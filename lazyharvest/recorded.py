@@ -134,15 +134,26 @@ class Transform:
         """Zeros with the avals `site_value(..., chosen=True)` has, from the
         primal value alone: abstract traces need the avals, not the work."""
         if self.name == "jvp":
-            return jax.tree_util.tree_map(jnp.zeros_like, primal)
-        wrt = self._wrt(self.split(flat)[1])
-        jac = lambda o, *ins: jax.tree_util.tree_map(
-            lambda a: jnp.zeros((*o.shape, *ins, *a.shape), o.dtype), wrt)
-        if self.name == "hessian":
             return jax.tree_util.tree_map(
-                lambda o: jax.tree_util.tree_map(
-                    lambda a: jac(o, *a.shape), wrt), primal)
-        return jax.tree_util.tree_map(lambda o: jac(o), primal)
+                lambda o: jnp.zeros_like(o) if _inexact(o) else _float0(o.shape), primal)
+        wrt = self._wrt(self.split(flat)[1])
+        order = 2 if self.name == "hessian" else 1
+        return jax.tree_util.tree_map(lambda o: _jacobian_zeros(o, wrt, order, like=True),
+                                      primal)
+
+    def has_derivative(self, primal: Any, flat: Sequence[Any]) -> bool:
+        """Whether a site of value `primal` has a leaf for this transform
+        chosen: only sites with a float or complex leaf have derivatives
+        (docs/semantics.md, "Integer, boolean and complex sites"), and a
+        complex site needs real inputs, or `holomorphic=True`."""
+        leaves = jax.tree_util.tree_leaves(primal)
+        if not any(_inexact(o) for o in leaves):
+            return False
+        if self.name == "jvp" or self.kwargs.get("holomorphic"):
+            return True
+        real_wrt = not any(jnp.iscomplexobj(a) for a in jax.tree_util.tree_leaves(
+            self._wrt(self.split(flat)[1])))
+        return real_wrt or not any(jnp.iscomplexobj(o) for o in leaves)
 
     def site_value(self, leaf_fn: Callable, flat: Sequence[Any], chosen: bool,
                    extra: Sequence[Any] = (), extra_axes: Sequence[Any] = ()) -> Any:
@@ -160,20 +171,88 @@ class Transform:
             return fn(*args, **kwargs)
         if self.name == "jvp":
             return jax.jvp(lambda *a: fn(*a), args, self.tangents(flat))[1]
-        argnums = self._argnums(len(args))
-        jac_kw = {n: k[n] for n in ("holomorphic",) if n in k}
-        if self.name == "hessian":
-            return jax.hessian(fn, argnums, **jac_kw)(*args, **kwargs)
-        if self.name == "jacfwd":
-            return jax.jacfwd(fn, argnums, **jac_kw)(*args, **kwargs)
-        if k.get("allow_int"):
-            jac_kw["allow_int"] = True
-        in_size = sum(int(np.size(x)) for x in jax.tree_util.tree_leaves(self._wrt(args)))
-        out_size = sum(int(np.prod(s.shape)) for s in jax.tree_util.tree_leaves(
-            jax.eval_shape(fn, *args, **kwargs)))
-        if in_size < out_size and self.name != "jacrev" and not k.get("allow_int"):
-            return jax.jacfwd(fn, argnums, **jac_kw)(*args, **kwargs)
-        return jax.jacrev(fn, argnums, **jac_kw)(*args, **kwargs)
+        return _jacobian(fn, args, kwargs, self._argnums(len(args)), self._wrt(args),
+                         self.name, k)
+
+
+def _inexact(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _float0(shape: tuple) -> Any:
+    return np.zeros(shape, jax.dtypes.float0)
+
+
+def _jacobian_zeros(o: Any, wrt: Any, order: int, like: bool = False) -> Any:
+    """Zeros shaped like the Jacobian (order 1) or Hessian (order 2) of an
+    output `o` w.r.t. `wrt`: float0 for an integer or boolean output, as JAX
+    gives integer values; with `like`, of the derivative's dtype."""
+    def dtype(a):
+        if not _inexact(o):
+            return jax.dtypes.float0
+        return a.dtype if jnp.iscomplexobj(a) and not jnp.iscomplexobj(o) else o.dtype
+
+    def zeros(*ins, a):
+        shape = (*o.shape, *ins, *a.shape)
+        return (jnp.zeros if like and _inexact(o) else np.zeros)(shape, dtype(a))
+    if order == 1:
+        return jax.tree_util.tree_map(lambda a: zeros(a=a), wrt)
+    return jax.tree_util.tree_map(
+        lambda a: jax.tree_util.tree_map(lambda b: zeros(*a.shape, a=b), wrt), wrt)
+
+
+def _jacobian(fn: Callable, args: tuple, kwargs: dict, argnums: Any, wrt: Any,
+              name: str, k: dict) -> Any:
+    """A chosen differential label applied to a slice `fn` (a pytree of site
+    values): per leaf, the Jacobian (Hessian for `hessian`) w.r.t. `argnums`.
+
+    Float leaves: forward or reverse mode by size (`jacrev`/`jacfwd` keep
+    their mode); complex leaves: forward mode when the inputs are real (where
+    `jacrev` cannot), else the user's `holomorphic=True`; integer and boolean
+    leaves: float0 zeros (docs/semantics.md).
+    """
+    shape = jax.eval_shape(fn, *args, **kwargs)
+    outs, tree = jax.tree_util.tree_flatten(shape)
+    real_wrt = not any(jnp.iscomplexobj(a) for a in jax.tree_util.tree_leaves(wrt))
+    jac_kw = {n: k[n] for n in ("holomorphic",) if n in k}
+    groups: dict = {}
+    for i, o in enumerate(outs):
+        if _inexact(o):
+            groups.setdefault("complex" if jnp.iscomplexobj(o) else "float", []).append(i)
+    result: list = [None] * len(outs)
+    for kind, idx in groups.items():
+        def part(*a, idx=idx, **kw):
+            leaves = jax.tree_util.tree_leaves(fn(*a, **kw))
+            return [leaves[i] for i in idx]
+        mode = _mode(name, kind, real_wrt, k, wrt, [outs[i] for i in idx])
+        if name == "hessian":
+            inner = jax.jacrev if mode == "rev" else jax.jacfwd
+            vals = jax.jacfwd(inner(part, argnums, **jac_kw), argnums, **jac_kw)(
+                *args, **kwargs)
+        else:
+            kw = dict(jac_kw, allow_int=True) if mode == "rev" and k.get("allow_int") else jac_kw
+            jac = jax.jacrev if mode == "rev" else jax.jacfwd
+            vals = jac(part, argnums, **kw)(*args, **kwargs)
+        for i, v in zip(idx, vals):
+            result[i] = v
+    order = 2 if name == "hessian" else 1
+    for i, o in enumerate(outs):
+        if result[i] is None:
+            result[i] = _jacobian_zeros(o, wrt, order)
+    return jax.tree_util.tree_unflatten(tree, result)
+
+
+def _mode(name: str, kind: str, real_wrt: bool, k: dict, wrt: Any, outs: list) -> str:
+    """Forward ("fwd") or reverse ("rev") mode for one group of leaves."""
+    if kind == "complex" and real_wrt and not k.get("holomorphic"):
+        return "fwd"  # jacrev needs real outputs; jacfwd does not, given real inputs
+    if name == "jacfwd":
+        return "fwd"
+    if name in ("jacrev", "hessian") or k.get("allow_int") or not real_wrt:
+        return "rev"
+    in_size = sum(int(np.size(x)) for x in jax.tree_util.tree_leaves(wrt))
+    out_size = sum(int(np.prod(o.shape)) for o in outs)
+    return "fwd" if in_size < out_size else "rev"
 
 
 _JAX: dict[str, Callable] = {
@@ -399,6 +478,9 @@ def _record_leaves(run: Run, t: Transform, jaxpr: _jax.Jaxpr, invals: list,
         idx = [request.index(wanted[ok][0]) for ok in group]
         if chosen and run.abstract and not t.structural:
             primal = t.site_value(leaf_fn, invals, False, extra, extra_axes)
+            # Only sites with a derivative get a key (integer sites do not).
+            keep = [j for j, i in enumerate(idx) if t.has_derivative(primal[i], invals)]
+            group, idx = [group[j] for j in keep], [idx[j] for j in keep]
             values = [t.site_placeholder(primal[i], invals) for i in idx]
         else:
             pick = lambda *f, idx=idx: _pick(leaf_fn(*f), idx)  # one evaluation

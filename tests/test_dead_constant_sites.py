@@ -1,0 +1,413 @@
+"""Dead and constant sites under JAX's own transformations (SPEC 9, "Dead and
+constant sites survive every transformation"), and integer, boolean and
+complex sites under recorded transforms (docs/semantics.md).
+
+Expected values come from plain JAX only: tangents are `jax.jvp` of the
+hand-written slice; cotangents are `jax.grad` with respect to a zero
+perturbation argument added at the site.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import lazyharvest as lh
+from lazyharvest import testing as T
+
+X = jnp.array([0.5, 1.5, 2.5])
+TX = jnp.array([1.0, -2.0, 0.5])
+C0 = jnp.array([2.0, -1.0, 3.0])
+
+
+def close(got, want):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def reaped(fn, *args):
+    return lh.reap(fn, tag="t")(*args)
+
+
+# --- dead sites: the output does not use them ------------------------------------
+
+def g(x):  # the seed's example
+    lh.sow(x ** 2, tag="t", name="y")
+    return x + 1
+
+
+def test_dead_site_survives_linearize_outside_reap():
+    _, g_lin = jax.linearize(g, 3.)
+    d = reaped(g_lin, 0.5)
+    assert list(d.keys()) == ["y"]
+    close(d["y"], jax.jvp(lambda x: x ** 2, (3.,), (0.5,))[1])  # 3.0
+    assert float(d["y"]) == 3.0
+
+
+def test_dead_site_survives_linearize_outside_reap_under_jit():
+    _, lin = jax.linearize(jax.jit(g), 3.)
+    close(reaped(lin, 0.5)["y"], 3.0)
+    _, lin = jax.linearize(g, 3.)
+    close(reaped(jax.jit(lin), 0.5)["y"], 3.0)
+
+
+def test_dead_site_cotangent_is_zero_in_vjp_backward():
+    _, bwd = jax.vjp(g, 3.)
+    d = reaped(bwd, 1.)
+    assert list(d.keys()) == ["y"]
+    want = jax.grad(lambda e, x: x + 1 + 0. * e, argnums=0)(9., 3.)  # the site is unused
+    close(d["y"], want)
+    assert float(d["y"]) == 0.
+
+
+def test_dead_site_cotangent_in_backward_of_jit():
+    _, bwd = jax.vjp(jax.jit(g), 3.)
+    assert float(reaped(bwd, 1.)["y"]) == 0.
+
+
+def test_dead_site_tangent_under_jvp():
+    h = jax.jit(lambda x: jax.jvp(g, (x,), (0.5,)))
+    h(3.)  # traced (and cached) outside any harvest first
+    d = reaped(h, 3.)
+    close(d["y"], 9.)
+    close(d["jvp", "y"], 3.)
+
+
+def test_planting_into_backward_at_dead_site_adds_its_cotangent():
+    # the transpose of reading a value is writing one: a cotangent planted at
+    # the site flows back through x ** 2
+    _, bwd = jax.vjp(g, 3.)
+    got = lh.plant(bwd, tag="t")({"y": 2.}, 1.)[0]
+    want = jax.grad(lambda x: x + 1 + 2. * x ** 2)(3.)
+    close(got, want)
+
+
+def dead_in_scan(x):
+    def body(c, xi):
+        lh.sow(jnp.sin(c * xi), tag="t", name="s", mode="append")
+        return c + xi, None
+    return lax.scan(body, x, TX)[0]
+
+
+def dead_in_cond(x):
+    def br(k):
+        return lambda x: (lh.sow(k * x ** 2, tag="t", name="s"), x + k)[1]
+    return lax.cond(x > 0, br(1.), br(2.), x)
+
+
+def test_dead_site_in_scan_body_outside_reap():
+    x, t = 0.3, 0.7
+    d = reaped(jax.linearize(dead_in_scan, x)[1], t)
+
+    def slice_s(x):
+        cs = x + jnp.concatenate([jnp.zeros(1), jnp.cumsum(TX)[:-1]])
+        return jnp.sin(cs * TX)
+    close(d["s"], jax.jvp(slice_s, (x,), (t,))[1])
+    d = reaped(jax.vjp(dead_in_scan, x)[1], 1.)
+    close(d["s"], jnp.zeros(3))
+
+
+def test_dead_site_in_cond_body_outside_reap():
+    d = reaped(jax.linearize(dead_in_cond, 1.5)[1], 0.5)
+    close(d["s"], jax.jvp(lambda x: x ** 2, (1.5,), (0.5,))[1])
+    d = reaped(jax.vjp(dead_in_cond, 1.5)[1], 1.)
+    close(d["s"], 0.)
+
+
+def test_dead_site_in_jit_whose_outputs_are_unused():
+    inner = jax.jit(lambda x: lh.sow(x ** 2, tag="t", name="y"))
+
+    def h(x):
+        inner(x)
+        return x + 1
+    close(reaped(jax.linearize(h, 3.)[1], 0.5)["y"], 3.)
+    close(reaped(jax.vjp(h, 3.)[1], 1.)["y"], 0.)
+
+
+def test_dead_scan_whose_outputs_are_unused_outside_reap():
+    def h(x):
+        lax.scan(lambda c, xi: (c * xi, lh.sow(jnp.cos(c), tag="t", name="s", mode="append")),
+                 x, TX)
+        return x + 1
+    d = reaped(jax.linearize(h, 0.3)[1], 1.)
+    cs = 0.3 * jnp.concatenate([jnp.ones(1), jnp.cumprod(TX)[:-1]])
+    close(d["s"], jax.jvp(lambda x: jnp.cos(x * cs / 0.3), (0.3,), (1.,))[1])
+    close(reaped(jax.vjp(h, 0.3)[1], 1.)["s"], jnp.zeros(3))
+
+
+def test_dead_site_in_checkpoint_outside_reap():
+    h = jax.checkpoint(g)
+    close(reaped(jax.linearize(h, 3.)[1], 0.5)["y"], 3.)
+    close(reaped(jax.vjp(h, 3.)[1], 1.)["y"], 0.)
+
+
+# --- constant sites: no dependence on the differentiated inputs -----------------
+
+def ppo(x, e=None):
+    """A loss with a constant site `c` and a stop-gradient site `adv` (PPO's
+    advantages); with `e`, the same loss with perturbations added at the sites
+    (the plain-JAX definition of their cotangents)."""
+    e = e or {}
+    sow = (lambda v, name: v + e.get(name, 0.)) if e else (lambda v, name: lh.sow(v, tag="t", name=name))
+    c = sow(C0, "c")
+    adv = sow(lax.stop_gradient(jnp.tanh(x) * 3.), "adv")
+    y = sow(jnp.sin(x), "y")
+    return jnp.sum(c * y * adv)
+
+
+def cotangents(f_e, x, names, ct=1.):
+    eps = {n: jnp.zeros(3) for n in names}
+    return jax.vjp(lambda e: f_e(x, e), eps)[1](ct)[0]
+
+
+def test_constant_site_has_zero_tangent_under_jvp():
+    d = reaped(lambda x: jax.jvp(ppo, (x,), (TX,)), X)
+    close(d["jvp", "c"], jax.jvp(lambda x: C0, (X,), (TX,))[1])
+    close(d["jvp", "adv"], jax.jvp(lambda x: lax.stop_gradient(jnp.tanh(x) * 3.), (X,), (TX,))[1])
+    close(d["jvp", "y"], jax.jvp(jnp.sin, (X,), (TX,))[1])
+    assert not np.any(np.asarray(d["jvp", "c"]))
+
+
+def test_constant_site_has_zero_tangent_in_linear_function():
+    _, lin = jax.linearize(ppo, X)
+    d = reaped(lin, TX)
+    assert set(d.keys()) == {"c", "adv", "y"}
+    close(d["c"], jnp.zeros(3))
+    close(d["adv"], jnp.zeros(3))
+    close(d["y"], jax.jvp(jnp.sin, (X,), (TX,))[1])
+
+
+def test_stop_gradient_site_cotangent_under_grad():
+    d = reaped(jax.grad(ppo), X)
+    want = cotangents(ppo, X, ["c", "adv", "y"])
+    for name in ("c", "adv", "y"):
+        close(d["vjp", name], want[name])
+    assert np.all(np.asarray(d["vjp", "adv"]) != 0)  # d loss / d adv is not zero
+    close(d["adv"], jnp.tanh(X) * 3.)
+
+
+def test_constant_site_cotangent_in_vjp_backward():
+    _, bwd = jax.vjp(ppo, X)
+    d = reaped(bwd, 2.)
+    want = cotangents(ppo, X, ["c", "adv", "y"], ct=2.)
+    assert set(d.keys()) == {"c", "adv", "y"}
+    for name in ("c", "adv", "y"):
+        close(d[name], want[name])
+
+
+def test_constant_site_cotangents_under_jit():
+    want = cotangents(ppo, X, ["c", "adv"])
+    for fn in (jax.jit(jax.grad(ppo)), jax.grad(jax.jit(ppo))):
+        d = reaped(fn, X)
+        close(d["vjp", "c"], want["c"])
+        close(d["vjp", "adv"], want["adv"])
+
+
+def test_constant_site_keys_are_those_of_any_site():
+    # keys() is the same set whichever sites depend on the inputs
+    def dep(x):  # the same program, `c` made to depend on x (numerically unchanged)
+        c = lh.sow(C0 + 0. * jnp.sum(jnp.sin(x)), tag="t", name="c")
+        return jnp.sum(c * lh.sow(jnp.sin(x), tag="t", name="y"))
+
+    def const(x):
+        c = lh.sow(C0, tag="t", name="c")
+        return jnp.sum(c * lh.sow(jnp.sin(x), tag="t", name="y"))
+    shapes = {
+        "jvp": lambda f: reaped(lambda x: jax.jvp(f, (x,), (TX,)), X),
+        "grad": lambda f: reaped(jax.grad(f), X),
+        "linearize": lambda f: reaped(jax.linearize(f, X)[1], TX),
+        "vjp": lambda f: reaped(jax.vjp(f, X)[1], 1.),
+        "linearize inside": lambda f: reaped(lambda x: jax.linearize(f, x)[1](TX), X),
+    }
+    for name, shape in shapes.items():
+        a, b = shape(dep), shape(const)
+        assert set(a.keys()) == set(b.keys()), name
+        for k in a.keys():
+            close(b[k], a[k])
+
+
+def test_planting_into_backward_at_constant_site_changes_nothing_upstream():
+    # c does not depend on x: a cotangent added there reaches no input (law 5a)
+    _, bwd = jax.vjp(ppo, X)
+    close(lh.plant(bwd, tag="t")({"c": jnp.ones(3)}, 1.)[0], bwd(1.)[0])
+
+
+def test_constant_sites_in_scan_and_cond_bodies():
+    def in_scan(x, e=None):
+        def body(carry, _):
+            c = C0 + e["c"] if e else lh.sow(C0, tag="t", name="c", mode="clobber")
+            return carry + 0.1 * c * jnp.sin(carry), None
+        return jnp.sum(lax.scan(body, x, None, length=3)[0])
+
+    def last_only(x, e):  # the clobber site's cotangent: the occurrence reaped (the last)
+        def body(carry, i):
+            c = C0 + jnp.where(i == 2, 1., 0.) * e["c"]
+            return carry + 0.1 * c * jnp.sin(carry), None
+        return jnp.sum(lax.scan(body, x, jnp.arange(3))[0])
+
+    def in_cond(x, e=None):
+        def br(k):
+            def f(x):
+                c = C0 + e["c"] if e else lh.sow(C0, tag="t", name="c")
+                return jnp.sum(c * jnp.sin(x)) * k
+            return f
+        return lax.cond(jnp.sum(x) > 0, br(1.), br(2.), x)
+
+    for f, f_e in ((in_scan, last_only), (in_cond, in_cond)):
+        want = cotangents(f_e, X, ["c"])["c"]
+        close(reaped(jax.grad(f), X)["vjp", "c"], want)
+        close(reaped(jax.vjp(f, X)[1], 1.)["c"], want)
+        close(reaped(lambda x: jax.jvp(f, (x,), (TX,)), X)["jvp", "c"], jnp.zeros(3))
+        close(reaped(jax.linearize(f, X)[1], TX)["c"], jnp.zeros(3))
+
+
+def test_constant_bodies_of_jit_scan_and_cond_keep_their_sites():
+    # JAX skips a jit/scan/cond none of whose inputs has a tangent as a whole.
+    # Each program takes `e`: the perturbation added at its site `k`.
+    def in_jit(x, e=None):
+        k = jax.jit(lambda c: c * 2. + e if e is not None
+                    else lh.sow(c * 2., tag="t", name="k"))(C0)
+        return jnp.sum(k * jnp.sin(x))
+
+    def in_cond(x, e=None):
+        def br(s):
+            return lambda c: s * c + e if e is not None else lh.sow(s * c, tag="t", name="k")
+        return jnp.sum(lax.cond(C0[0] > 0, br(2.), br(-1.), C0) * x)
+
+    def in_scan(x, e=None):  # one perturbation per occurrence
+        def step(carry, inp):
+            ci, ei = inp
+            v = carry * ci
+            return carry, (v + ei if e is not None
+                           else lh.sow(v, tag="t", name="k", mode="append"))
+        return jnp.sum(lax.scan(step, 2., (C0, jnp.zeros(3) if e is None else e))[1] * x)
+
+    for f in (in_jit, in_cond, in_scan):
+        want = jax.grad(lambda e, f=f: f(X, e))(jnp.zeros(3))
+        close(reaped(jax.grad(f), X)["vjp", "k"], want)
+        close(reaped(jax.vjp(f, X)[1], 1.)["k"], want)
+        close(reaped(lambda x, f=f: jax.jvp(f, (x,), (TX,)), X)["jvp", "k"], jnp.zeros(3))
+        close(reaped(jax.linearize(f, X)[1], TX)["k"], jnp.zeros(3))
+
+
+def test_constant_while_loop_sites_have_no_derivative_keys():
+    # Not supported (docs/semantics.md): a while loop none of whose inputs has
+    # a tangent is skipped by JAX as a whole.
+    def f(x):
+        k = lax.while_loop(lambda s: s[0] < 2, lambda s: (
+            s[0] + 1, lh.sow(s[1] * 2., tag="t", name="k", mode="clobber")), (0, C0))[1]
+        return jnp.sum(k * x)
+    assert set(reaped(jax.grad(f), X).keys()) == {"k"}
+    assert set(reaped(lambda x: jax.jvp(f, (x,), (TX,)), X).keys()) == {"k"}
+
+
+def test_constant_sites_pass_the_laws_with_strict_keys():
+    for f in (lambda x: ppo(x), lambda x: jax.jit(ppo)(x)):
+        T.check_jvp(f, X, tag="t", strict_keys=True)
+        T.check_linearize(f, X, tag="t", strict_keys=True)
+        T.check_vjp(f, X, tag="t", strict_keys=True)
+
+
+def test_compile_time_eval_site_is_reaped_and_planted():
+    def h(x):
+        with jax.ensure_compile_time_eval():
+            k = lh.sow(jnp.arange(3.) * 2., tag="t", name="k")
+        return jnp.sum(k * x)
+    d = reaped(h, X)
+    close(d["k"], jnp.arange(3.) * 2.)
+    close(lh.plant(h, tag="t")({"k": jnp.ones(3)}, X), jnp.sum(X))
+    d = reaped(jax.grad(h), X)  # a constant site: its cotangent is d out / d k
+    close(d["vjp", "k"], X)
+    close(reaped(jax.linearize(h, X)[1], TX)["k"], jnp.zeros(3))
+    assert float(h(X)) == float(jnp.sum(jnp.arange(3.) * 2. * X))  # outside a harvest: as before
+
+
+def test_constant_site_in_checkpoint_under_reverse_mode():
+    # Not supported (docs/semantics.md): jax.checkpoint differentiates its body
+    # with jvp, then partial evaluation splits it; a zero made inside the body
+    # is known there, so it lands in the forward part, where no cotangent
+    # reaches it. The site then has no derivative key under reverse mode or
+    # jax.linearize (and shows no tangent either); forward mode has its zero.
+    h = jax.checkpoint(ppo)
+    d = reaped(jax.grad(h), X)
+    assert set(d.keys()) == {"c", "adv", "y", ("vjp", "y")}
+    assert set(reaped(jax.vjp(h, X)[1], 1.).keys()) == {"y"}
+    assert set(reaped(jax.linearize(h, X)[1], TX).keys()) == {"y"}
+    d = reaped(lambda x: jax.jvp(h, (x,), (TX,)), X)
+    close(d["jvp", "c"], jnp.zeros(3))
+
+
+def test_reverse_over_reverse_spells_out_the_levels():
+    # The inner cotangent of `y` (c * adv) does not depend on x: at the outer
+    # level it is a constant site with its own cotangent, so ('vjp', 'y')
+    # would name two sites and both spell out their levels (docs/semantics.md).
+    f = lambda x: jnp.sum(jax.grad(ppo)(x))  # noqa: E731
+    d = reaped(jax.grad(f), X)
+    keys = set(d.keys())
+    assert {("vjp", "primal", "y"), ("primal", "vjp", "y"), ("vjp", "vjp", "y")} <= keys
+    assert ("vjp", "y") not in keys
+    close(d["vjp", "primal", "y"], reaped(jax.grad(ppo), X)["vjp", "y"])  # the inner cotangent
+
+
+def test_eager_shard_map_of_grad_with_constant_site():
+    mesh = jax.make_mesh((1,), ("i",))
+    spec = jax.sharding.PartitionSpec()
+    g_ = jax.shard_map(jax.grad(ppo), mesh=mesh, in_specs=spec, out_specs=spec)
+    close(g_(X), jax.grad(ppo)(X))
+    close(reaped(g_, X)["vjp", "c"], cotangents(ppo, X, ["c"])["c"])
+
+
+def test_gradient_outside_a_harvest_binds_no_cotangent_site():
+    # outside a harvest the backward pass records nothing: no work on sites
+    eqns = jax.make_jaxpr(jax.grad(ppo))(X).jaxpr.eqns
+    paths = [e.params["path"] for e in eqns if e.primitive.name == "sow"]
+    assert paths and all(p == ("primal",) for p in paths)
+    assert not [e for e in eqns if e.primitive.name in ("new_ref", "freeze")]
+
+
+# --- integer, boolean and complex sites -------------------------------------------
+
+def kinds(x):
+    i = lh.sow(jnp.argmax(x), tag="t", name="i")
+    b = lh.sow(x > 1., tag="t", name="b")
+    z = lh.sow(x.astype(jnp.complex64) * (1 + 2j), tag="t", name="z")
+    m = lh.sow({"f": x * 2., "n": jnp.argmin(x)}, tag="t", name="m")
+    return jnp.sum(x ** 2) + i + jnp.sum(jnp.real(z * z)) + jnp.sum(m["f"]) + jnp.sum(b)
+
+
+def _avals(tree):
+    return jax.tree_util.tree_map(lambda a: (tuple(a.shape), np.dtype(a.dtype)), tree)
+
+
+@pytest.mark.parametrize("transform", ["grad", "jacfwd", "jacrev", "hessian", "jvp",
+                                       "jax.grad", "jax.jvp"])
+def test_integer_sites_advertise_no_uncomputable_leaves(transform):
+    fns = {
+        "grad": lh.grad(kinds), "jacfwd": lh.jacfwd(kinds), "jacrev": lh.jacrev(kinds),
+        "hessian": lh.hessian(kinds),
+        "jvp": lambda x: lh.jvp(kinds, (x,), (TX,)),
+        "jax.grad": jax.grad(kinds), "jax.jvp": lambda x: jax.jvp(kinds, (x,), (TX,)),
+    }
+    d = reaped(fns[transform], X)
+    derivative = {k for k in d.keys() if isinstance(k, tuple)}
+    assert {k[-1] for k in derivative} == {"z", "m"}  # never the integer or boolean sites
+    avals = d.avals
+    for k in d.keys():  # every advertised leaf is computed, with its advertised aval
+        assert _avals(d[k]) == _avals(avals[k]), k
+    mixed = d[next(k for k in derivative if k[-1] == "m")]
+    assert mixed["n"].dtype == jax.dtypes.float0  # as JAX gives integer values
+    assert jnp.issubdtype(mixed["f"].dtype, jnp.floating)
+
+
+def test_complex_site_grad_leaf():
+    d = reaped(lh.grad(kinds), X)
+    want = jax.jacfwd(lambda x: x.astype(jnp.complex64) * (1 + 2j))(X)
+    close(d["grad", "z"], want)
+    assert d.avals["grad", "z"].dtype == jnp.complex64
+    # a complex site of complex inputs has a Jacobian only for holomorphic=True
+    f = lambda w: jnp.real(jnp.sum(lh.sow(w * w, tag="t", name="w2")))  # noqa: E731
+    w = X.astype(jnp.complex64)
+    assert ("grad", "w2") not in reaped(lh.grad(f), w)
+    hf = lambda w: jnp.sum(lh.sow(w * w, tag="t", name="w2"))  # noqa: E731
+    d = reaped(lh.grad(hf, holomorphic=True), w)
+    close(d["grad", "w2"], jax.jacrev(lambda w: w * w, holomorphic=True)(w))
