@@ -20,6 +20,7 @@ Two design points keep it both faithful and free:
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Hashable, Iterator
 from typing import Any
 
@@ -128,17 +129,24 @@ def _batch(vals, dims, **params):
     return sow_p.bind(*vals, **params), [None if d is None else 0 for d in dims]
 
 
+_remat_tokens = itertools.count(1)
+
+
 def _remat_partial_eval(saveable, unks_in, inst_in, eqn):
     # Default remat partial eval saves the outputs of known effectful eqns as
-    # residuals. Recompute the site instead; the recomputed copy is marked so
-    # a harvest does not count it twice.
+    # residuals. Recompute the site instead. The recomputed copy is marked
+    # (`recompute=token`) so a harvest does not count it twice, and the known
+    # original lists the token among its `remat` params, so a harvest plants
+    # the copy as it planted the original.
     del saveable
     n = len(eqn.outvars)
     res = [v for v, inst in zip(eqn.invars, inst_in) if not inst]
     if any(unks_in):
         return None, eqn, [True] * n, [True] * n, res
-    staged = _jax.replace_eqn_params(eqn, recompute=True)
-    return eqn, staged, [False] * n, [True] * n, res
+    token = next(_remat_tokens)
+    known = _jax.replace_eqn_params(eqn, remat=eqn.params.get("remat", ()) + (token,))
+    staged = _jax.replace_eqn_params(eqn, recompute=token, remat=())
+    return known, staged, [False] * n, [True] * n, res
 
 
 sow_p.def_impl(_impl)
