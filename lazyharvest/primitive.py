@@ -52,6 +52,7 @@ class SowEffect(_jax.Effect):
 
 sow_effect = SowEffect()
 _jax.register_effect(SowEffect)
+_jax.keep_effects_in_cond_partial_eval(SowEffect)
 
 
 # --- harvest state: which tags are being harvested, which nest scopes apply ---
@@ -156,6 +157,7 @@ _jax.ad.primitive_jvps[sow_p] = _jvp
 _jax.ad.primitive_transposes[sow_p] = _transpose
 _jax.register_batcher(sow_p, _batch)
 _jax.register_remat_rule(sow_p, _remat_partial_eval)
+_jax.keep_in_scan_loops(sow_p, SowEffect, lambda params: params["effect"])
 
 
 def _check_leaf(leaf: Any, tag: Hashable, name: str) -> Any:
