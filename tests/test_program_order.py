@@ -79,6 +79,7 @@ STRUCTURES = {
     # name: (h -> h given the layer, order the layers run in)
     "python_loop": (_loop, range(4)),
     "jit_layer": (lambda layer, h: _loop(jax.jit(layer), h), range(4)),
+    "lh_jit_layer": (lambda layer, h: _loop(lh.jit(layer), h), range(4)),
     "jit_of_jit_layer": (lambda layer, h: jax.jit(lambda h: _loop(jax.jit(layer), h))(h),
                          range(4)),
     **{f"checkpoint_layer_{name}": (
@@ -270,16 +271,32 @@ def test_plant_append_under_checkpoint_grad(policy):
     close(lh.plant(g, tag="t")({"a": P}, x), want)
 
 
-def test_plant_under_grad_repeated_layer(structure, mode):
-    f = model(structure, mode)
-    plants = jnp.asarray(R.standard_normal((4, 2)), jnp.float32)
-    plant = plants if mode == "append" else plants[0]
-
-    def planted(x):
+def _planted(structure, mode, plant):
+    """The model with each occurrence's value replaced by its plant (an append
+    plant: its row; a clobber plant: every occurrence), the derivative flowing
+    through the site as through the identity."""
+    def fn(x):
         _, order = STRUCTURES[structure]
         h = x
         for i in order:
             v = _layer(h, MS[i])
             h = _after(v + lax.stop_gradient((plant[i] if mode == "append" else plant) - v))
         return _out(h)
-    close(lh.plant(jax.grad(f), tag="t")({"h": plant}, X), jax.grad(planted)(X))
+    return fn
+
+
+def _plant_for(mode):
+    plants = jnp.asarray(np.random.RandomState(1).standard_normal((4, 2)), jnp.float32)
+    return plants if mode == "append" else plants[0]
+
+
+def test_plant_repeated_layer_in_program_order(structure, mode):
+    plant = _plant_for(mode)
+    got = lh.plant(model(structure, mode), tag="t")({"h": plant}, X)
+    close(got, _planted(structure, mode, plant)(X))
+
+
+def test_plant_under_grad_repeated_layer(structure, mode):
+    plant = _plant_for(mode)
+    got = lh.plant(jax.grad(model(structure, mode)), tag="t")({"h": plant}, X)
+    close(got, jax.grad(_planted(structure, mode, plant))(X))
