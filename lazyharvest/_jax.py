@@ -17,6 +17,7 @@ from jax._src import effects as _effects
 from jax._src import sharding_impls as _sharding_impls
 from jax._src import source_info_util as _source_info_util
 from jax._src import traceback_util as _traceback_util
+from jax._src import util as _util
 from jax._src.interpreters import partial_eval as _pe
 from jax.api_util import debug_info as _debug_info
 from jax.api_util import flatten_fun_nokwargs as _flatten_fun_nokwargs
@@ -296,6 +297,7 @@ def keep_effects_in_cond_partial_eval(effect_type: type) -> None:
     rules[cond_p] = rule
 
 
+@_util.weakref_lru_cache
 def _with_empty_output(branch: ClosedJaxpr, which: int) -> ClosedJaxpr:
     """`branch` with one more output: an empty slice of its operand `which`."""
     def fn(*args):

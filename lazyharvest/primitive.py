@@ -240,6 +240,12 @@ def _lift_sites(closed):
     return _jax.ClosedJaxpr(jaxpr, consts), found
 
 
+def _site_identity(params: dict) -> dict:
+    # Branches pair their rematerialized copies with their originals by
+    # tokens of their own; the lifted site is sown once, with branch 0's.
+    return dict(params, recompute=bool(params["recompute"]), remat=())
+
+
 def _make_cond_batcher(original):
     def rule(axis_data, args, dims, *, branches, **params):
         if dims[0] is None or not any(
@@ -247,8 +253,8 @@ def _make_cond_batcher(original):
             return original(axis_data, args, dims, branches=branches, **params)
         lifted = [_lift_sites(b) for b in branches]
         first = lifted[0][1]
-        same = all(ps == first and b.out_avals == lifted[0][0].out_avals
-                   for b, ps in lifted)
+        same = all(list(map(_site_identity, ps)) == list(map(_site_identity, first))
+                   and b.out_avals == lifted[0][0].out_avals for b, ps in lifted)
         if not same:  # the harvest reports mismatched branches
             return original(axis_data, args, dims, branches=branches, **params)
         outs, out_dims = original(axis_data, args, dims,
