@@ -300,3 +300,21 @@ def test_plant_under_grad_repeated_layer(structure, mode):
     plant = _plant_for(mode)
     got = lh.plant(jax.grad(model(structure, mode)), tag="t")({"h": plant}, X)
     close(got, jax.grad(_planted(structure, mode, plant))(X))
+
+
+def test_vmap_of_grad_of_checkpointed_cond_sows_once():
+    # Each branch pairs its rematerialized copies with its originals by a token
+    # of its own; a cond with a batched predicate still lifts its sites and
+    # sows them once.
+    def site(u):
+        return lax.cond(jnp.sum(u) > 0, lambda u: lh.sow(u + 0.3, tag="t", name="s"),
+                        lambda u: lh.sow(u * u, tag="t", name="s"), u)
+
+    def value(u):
+        return jnp.where(jnp.sum(u) > 0, u + 0.3, u * u)
+
+    f = lambda x: jnp.sum(jnp.sin(jax.checkpoint(site)(x * 2)))  # noqa: E731
+    xb = jnp.array([[0.3, -0.2, 0.5], [-0.3, -0.2, 0.1]])
+    d = lh.reap(jax.vmap(jax.grad(f)), tag="t")(xb)
+    close(d["s"], jax.vmap(lambda x: value(x * 2))(xb))
+    close(d["vjp", "s"], jnp.cos(jax.vmap(lambda x: value(x * 2))(xb)))
