@@ -318,3 +318,17 @@ def test_vmap_of_grad_of_checkpointed_cond_sows_once():
     d = lh.reap(jax.vmap(jax.grad(f)), tag="t")(xb)
     close(d["s"], jax.vmap(lambda x: value(x * 2))(xb))
     close(d["vjp", "s"], jnp.cos(jax.vmap(lambda x: value(x * 2))(xb)))
+
+
+@pytest.mark.parametrize("structure", ["python_loop", "jit_layer", "checkpoint_layer_default",
+                                       "scan_between_sows", "scan_reverse"])
+def test_law5_holds_for_repeated_sites(structure, mode):
+    from lazyharvest import testing
+    testing.check_vjp(model(structure, mode), X, tag="t")  # (a): every key
+
+    def two(x):
+        return jnp.sum(lh.sow(jnp.sin(x), tag="t", name="v", mode=mode) * 10
+                       + lh.sow(2 * x, tag="t", name="v", mode=mode) ** 2)
+    # (b) for an append site whose occurrences do not feed each other (a clobber
+    # plant replaces every occurrence: its gradient sums their cotangents)
+    testing.check_vjp(two, X, tag="t", keys=["v"] if mode == "append" else None)
