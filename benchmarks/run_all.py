@@ -15,7 +15,7 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-SCRIPTS = ["dispatch.py", "leaves.py"]
+SCRIPTS = ["dispatch.py", "leaves.py", "loops.py"]
 
 
 def main() -> int:

@@ -44,6 +44,10 @@ def main() -> None:
     out = lh.plant(mlp, tag="act")({"layer2": jnp.zeros(4)}, params, x)
     print("   mlp with layer2 := 0 ->", float(out))
 
+    print("\n6. A summary of every leaf: values and cotangents, computed in one program")
+    d = lh.reap(jax.grad(mlp, argnums=1), tag="act")(params, x)
+    print(d.summary(compute=True))
+
 
 if __name__ == "__main__":
     main()

@@ -22,7 +22,7 @@ from jax._src.interpreters import partial_eval as _pe
 from jax.api_util import debug_info as _debug_info
 from jax.api_util import flatten_fun_nokwargs as _flatten_fun_nokwargs
 from jax.extend import linear_util as lu
-from jax.extend.core import (
+from jax.extend.core import (  # noqa: F401  (re-exported to the package)
     ClosedJaxpr,
     Effect,
     Jaxpr,
@@ -32,15 +32,8 @@ from jax.extend.core import (
     Var,
     new_jaxpr_eqn,
 )
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad, batching, mlir  # noqa: F401  (re-exported)
 from jax.interpreters import partial_eval as pe
-
-__all__ = [
-    "ClosedJaxpr", "Effect", "Jaxpr", "JaxprEqn", "Literal", "Primitive", "Var",
-    "ad", "batching", "mlir", "pe", "lu", "new_jaxpr_eqn",
-    "jit_p", "scan_p", "while_p", "cond_p", "remat_p", "closed_call_p", "call_p",
-    "custom_jvp_call_p", "custom_vjp_call_p", "shard_map_p",
-]
 
 Zero = ad.Zero
 UNSPECIFIED = _sharding_impls.UNSPECIFIED
@@ -49,6 +42,8 @@ UNSPECIFIED = _sharding_impls.UNSPECIFIED
 # --- JAX's higher-order primitives, as objects (rule tables are keyed by them) ---
 
 def _primitives() -> dict[str, Primitive]:
+    from jax._src import custom_batching as _custom_batching
+    from jax._src import custom_derivatives as _custom_derivatives
     from jax._src import shard_map as _shard_map
     from jax.extend.core import primitives as _prims
 
@@ -59,6 +54,8 @@ def _primitives() -> dict[str, Primitive]:
         "custom_jvp_call_p": _prims.custom_jvp_call_p,
         "custom_vjp_call_p": _prims.custom_vjp_call_p,
         "shard_map_p": _shard_map.shard_map_p,
+        "custom_vmap_p": _custom_batching.custom_vmap_p,
+        "remat_opt_p": _custom_derivatives.remat_opt_p,
     }
 
 
@@ -73,6 +70,8 @@ call_p = _P["call_p"]
 custom_jvp_call_p = _P["custom_jvp_call_p"]
 custom_vjp_call_p = _P["custom_vjp_call_p"]
 shard_map_p = _P["shard_map_p"]
+custom_vmap_p = _P["custom_vmap_p"]  # jax.custom_batching.custom_vmap / sequential_vmap
+remat_opt_p = _P["remat_opt_p"]  # custom_vjp(optimize_remat=True), once differentiated
 
 
 # --- tracebacks: hide the library's frames from users, as JAX does its own ---
@@ -182,8 +181,32 @@ def consts_as_invars(jaxpr: Jaxpr) -> Jaxpr:
     return _pe.convert_constvars_jaxpr(jaxpr)
 
 
-def dce(jaxpr: Jaxpr, used_outputs: Sequence[bool]) -> tuple[Jaxpr, list[bool]]:
-    return pe.dce_jaxpr(jaxpr, list(used_outputs), instantiate=True)
+def dce(jaxpr: Jaxpr, used_outputs: Sequence[bool],
+        instantiate: bool | Sequence[bool] = True) -> tuple[Jaxpr, list[bool]]:
+    """JAX's DCE: (the jaxpr computing `used_outputs`, which inputs it uses)."""
+    if not isinstance(instantiate, bool):
+        instantiate = list(instantiate)
+    return pe.dce_jaxpr(jaxpr, list(used_outputs), instantiate=instantiate)
+
+
+def extra_dce_rules(rules: dict):
+    """DCE rules in force only inside this block (for primitives JAX has none for)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def installed():
+        table = pe.dce_rules
+        saved = {p: table[p] for p in rules if p in table}
+        table.update(rules)
+        try:
+            yield
+        finally:
+            for p in rules:
+                if p in saved:
+                    table[p] = saved[p]
+                else:
+                    table.pop(p, None)
+    return installed()
 
 
 def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], *args: Any) -> list[Any]:
@@ -195,18 +218,39 @@ def bind_params(eqn: JaxprEqn, params: dict | None = None) -> dict:
     return eqn.primitive.get_bind_params(eqn.params if params is None else params)
 
 
-def eqn_context(eqn: JaxprEqn):
-    """The context to re-bind `eqn` in: its source info and name stack (so
-    `jax.named_scope` names reach the HLO) and its JAX eqn context."""
-    import contextlib
+def eval_eqns(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+              eval_eqn: Callable[[JaxprEqn, list], list], in_context: bool = False) -> list:
+    """Evaluates `jaxpr`, each eqn by `eval_eqn(eqn, invals) -> outvals`; with
+    `in_context`, under the eqn's source info and JAX context (as re-binding)."""
+    env: dict = {}
 
-    stack = contextlib.ExitStack()
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if in_context:
+            with eqn_source(eqn), eqn.ctx.manager:
+                outs = eval_eqn(eqn, invals)
+        else:
+            outs = eval_eqn(eqn, invals)
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def eqn_source(eqn: JaxprEqn) -> Any:
+    """The context to re-bind `eqn` in, part 1: its source info and name stack
+    (so `jax.named_scope` names reach the HLO), as `jax.core.eval_jaxpr` does."""
     info = eqn.source_info
-    stack.enter_context(_source_info_util.user_context(
-        info.traceback, name_stack=_source_info_util.current_name_stack()
-        + info.name_stack))
-    stack.enter_context(eqn.ctx.manager)
-    return stack
+    return _source_info_util.user_context(
+        info.traceback, name_stack=_source_info_util.current_name_stack() + info.name_stack)
+
+
+def eqn_context(eqn: JaxprEqn) -> Any:
+    """Part 2: JAX's per-eqn context (compute type, xla metadata, ...)."""
+    return eqn.ctx.manager
 
 
 def effects_of(jaxpr: Jaxpr) -> Any:
@@ -226,6 +270,15 @@ def shard_map_body_context(mesh: Any, manual_axes: frozenset, check_vma: bool):
         _shard_map._as_manual_mesh(mesh, manual_axes)))
     stack.enter_context(_config._check_vma(check_vma))
     return stack
+
+
+def axis_env(name_sizes: Sequence[tuple[Any, int]]):
+    """Binds vmap axis names (for collectives) while tracing a per-example body."""
+    import contextlib
+
+    if not name_sizes:
+        return contextlib.nullcontext()
+    return _core.extend_axis_env_nd(list(name_sizes))
 
 
 def varying_axes(aval: Any) -> frozenset:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -13,7 +13,7 @@ from lazyharvest import _jax
 from lazyharvest import keys as keys_mod
 from lazyharvest._interpreter import split_list
 from lazyharvest.errors import HarvestError, closest
-from lazyharvest.program import NO_PLANTS, PlantSpec, Traced, flatten_args
+from lazyharvest.program import NO_PLANTS, PlantSpec, Traced, canonical_keys, flatten_args
 
 
 class HarvestKeyError(HarvestError, KeyError):
@@ -46,6 +46,8 @@ class _Store:
         of a closure over it) stages its program into that trace and keeps
         nothing: memoizing a tracer would poison it for later reads.
         """
+        if len(raw_keys) == 1 and raw_keys[0] in self.values and not self.traced_inputs:
+            return {raw_keys[0]: self.values[raw_keys[0]]}  # memoized: no lock needed
         with self.lock:
             keys = list(dict.fromkeys(raw_keys))
             out = {k: self.values[k] for k in keys if k in self.values}
@@ -94,30 +96,43 @@ class DelayedDict(Mapping):
 
     **Example:**
 
-        d = lh.reap(lh.grad(f), tag="t")(2.)
-        d["x3"], d["grad", "x3"], d.compute()
+    >>> import lazyharvest as lh
+    >>> d = lh.reap(lh.grad(lambda x: lh.sow(x ** 3, tag="t", name="x3")), tag="t")(2.)
+    >>> d
+    DelayedDict({'x3': <pending f32[]>, 'grad': {'x3': <pending f32[]>}})
+    >>> print(d["x3"], d["grad", "x3"], d["grad"]["x3"])
+    8.0 12.0 12.0
     """
 
     def __init__(self, store: _Store, prefix: tuple = ()):
         self._store = store
         self._prefix = prefix
         n = len(prefix)
-        index = store.traced.key_index(store.plants)
-        self._leaves = index if not n else {
-            k[n:]: r for k, r in index.items() if k[:n] == prefix and k[n:]}
-        self._canonical = _canonical_keys(self._leaves)
+        index, canonical = store.traced.key_index(store.plants)
+        if n:
+            index = {k[n:]: r for k, r in index.items() if k[:n] == prefix and k[n:]}
+            canonical = canonical_keys(index)
+        self._leaves, self._canonical = index, canonical
 
     @classmethod
     def from_trace(cls, traced: Traced, args: list, plants: PlantSpec = NO_PLANTS,
-                   plant_leaves: list | tuple = ()) -> DelayedDict:
+                   plant_leaves: list | tuple = (),
+                   computed: tuple[list, Sequence[Any]] = ([], ())) -> DelayedDict:
         """The DelayedDict of one call.
 
         **Arguments:**
         - traced: the abstract trace of the harvested function.
         - args: the call's flat array arguments.
         - plants, plant_leaves: which sites the call plants, and the planted leaves.
+        - computed: (raw keys, their flat leaves) already computed by the call.
         """
-        return cls(_Store(traced, list(args), plants, list(plant_leaves)))
+        store = _Store(traced, list(args), plants, list(plant_leaves))
+        keys, leaves = computed
+        if keys:
+            *chunks, _ = split_list(leaves, [len(traced.sites[k].avals) for k in keys])
+            for k, ls in zip(keys, chunks):
+                store.values[k] = jax.tree_util.tree_unflatten(traced.sites[k].tree, ls)
+        return cls(store)
 
     # -- Mapping --------------------------------------------------------------
 
@@ -153,6 +168,13 @@ class DelayedDict(Mapping):
         the leaf, as `d[key]` does.
 
         **Raises:** `HarvestKeyError` for an unknown key.
+
+        **Example:**
+
+        >>> import lazyharvest as lh
+        >>> d = lh.reap(lh.grad(lambda x: lh.sow(x ** 3, tag="t", name="x3")), tag="t")(2.)
+        >>> print(d.thunk(("grad", "x3"))())
+        12.0
         """
         raw = self._raw(key, parts)
         return lambda: self._store.force([raw])[raw]
@@ -170,31 +192,60 @@ class DelayedDict(Mapping):
         raises `HarvestError` when its arguments differ in shape or dtype from
         the call that made this DelayedDict.
 
-        **Example:** `d.fn(("grad", "x3"))(3.)`
+        **Example:**
+
+        >>> import lazyharvest as lh
+        >>> d = lh.reap(lh.grad(lambda x: lh.sow(x ** 3, tag="t", name="x3")), tag="t")(2.)
+        >>> print(d.fn(("grad", "x3"))(3.))
+        27.0
         """
         raw = self._raw(key, parts)
         store = self._store
         traced = store.traced
 
         def continuation(*args: Any, **kwargs: Any) -> Any:
-            flat, _, avals = flatten_args(args, kwargs)
-            if avals != traced.in_avals:
+            flat, spec, avals = flatten_args(args, kwargs)
+            if spec != traced.arg_spec or not _same_avals(avals, traced.in_avals):
                 raise HarvestError(
                     f"harvest of tag {traced.harvest.tag!r}: the continuation of "
                     f"{keys_mod.display(traced.key_of[raw][0])!r} takes arguments "
-                    f"shaped like the original call {traced.in_avals}, got "
-                    f"{avals}. Call the reaped function again for new shapes.")
+                    f"structured and shaped like the original call "
+                    f"({traced.arg_spec.in_tree}, {traced.in_avals}); got "
+                    f"({spec.in_tree}, {avals}). Call the reaped function again "
+                    f"for other arguments.")
             prog = traced.program([raw], with_out=False, plants=store.plants)
             leaves = prog(*flat, *store.plant_leaves)
             return jax.tree_util.tree_unflatten(traced.sites[raw].tree, leaves)
         return continuation
 
     def is_computed(self, key: Any, *parts: Any) -> bool:
-        """Whether one leaf has been computed (and memoized) already."""
+        """Whether one leaf has been computed (and memoized) already.
+
+        **Arguments:** `key`: one key. **Returns:** a bool; computes nothing.
+        **Raises:** `HarvestKeyError` for an unknown key.
+
+        **Example:**
+
+        >>> import lazyharvest as lh
+        >>> d = lh.reap(lh.grad(lambda x: lh.sow(x ** 3, tag="t", name="x3")), tag="t")(2.)
+        >>> d.is_computed("x3"), float(d["x3"]), d.is_computed("x3")
+        (False, 8.0, True)
+        """
         return self._raw(key, parts) in self._store.values
 
     def aliases(self, key: Any, *parts: Any) -> list:
-        """Every key of one leaf, canonical first (the others add structural labels)."""
+        """Every key of one leaf, canonical first (the others add structural labels).
+
+        **Arguments:** `key`: one key (any of its aliases). **Returns:** a list
+        of keys. **Raises:** `HarvestKeyError` for an unknown key.
+
+        **Example:**
+
+        >>> import lazyharvest as lh
+        >>> d = lh.reap(lh.jit(lambda x: lh.sow(x * 2, tag="t", name="y")), tag="t")(1.)
+        >>> d.aliases("y")
+        ['y', ('jit', 'y')]
+        """
         raw = self._raw(key, parts)
         keys = [k for k, r in self._leaves.items() if r == raw]
         keys.sort(key=len)
@@ -214,23 +265,34 @@ class DelayedDict(Mapping):
 
         **Raises:** `HarvestKeyError` for an unknown key.
 
-        **Example:** `d.compute("h1", ("vjp", "h1"))`
+        **Example:**
+
+        >>> import lazyharvest as lh
+        >>> d = lh.reap(lh.grad(lambda x: lh.sow(x ** 3, tag="t", name="x3")), tag="t")(2.)
+        >>> out = d.compute("x3", ("grad", "x3"))
+        >>> print(out["x3"], out["grad"]["x3"])
+        8.0 12.0
         """
         wanted = self._expand(keys) if keys else list(self._canonical)
         values = self._store.force([self._leaves[k] for k in wanted])
         out: dict = {}
         for k in wanted:
-            node = out
-            for part in k[:-1]:
-                node = node.setdefault(part, {})
-            node[k[-1]] = values[self._leaves[k]]
+            _nest(out, k, values[self._leaves[k]])
         return out
 
     def lower(self, *keys: Any) -> Any:
         """The `jax.stages.Lowered` program that `compute(*keys)` runs.
 
-        For inspection: `.as_text()`, `.compile().memory_analysis()`,
-        `.cost_analysis()`. Keys as for `compute`.
+        **Arguments:** `*keys`, as for `compute`. **Returns:** the lowered
+        program, for inspection: `.as_text()`, `.compile().memory_analysis()`,
+        `.cost_analysis()`. **Raises:** `HarvestKeyError` for an unknown key.
+
+        **Example:**
+
+        >>> import lazyharvest as lh
+        >>> d = lh.reap(lh.grad(lambda x: lh.sow(x ** 3, tag="t", name="x3")), tag="t")(2.)
+        >>> "stablehlo.multiply" in d.lower("x3").as_text()
+        True
         """
         wanted = self._expand(keys) if keys else list(self._canonical)
         raws = list(dict.fromkeys(self._leaves[k] for k in wanted))
@@ -240,14 +302,31 @@ class DelayedDict(Mapping):
     @property
     def avals(self) -> dict:
         """Shape and dtype of every leaf (`jax.ShapeDtypeStruct` pytrees), by
-        canonical key; computes nothing."""
+        canonical key; computes nothing.
+
+        **Example:**
+
+        >>> import lazyharvest as lh
+        >>> d = lh.reap(lh.grad(lambda x: lh.sow(x ** 3, tag="t", name="x3")), tag="t")(2.)
+        >>> d.avals["x3"]
+        ShapeDtypeStruct(shape=(), dtype=float32)
+        """
         sites = self._store.traced.sites
         return {keys_mod.display(k): jax.tree_util.tree_unflatten(
                     sites[r].tree,
                     [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in sites[r].avals])
                 for k, r in ((k, self._leaves[k]) for k in self._canonical)}
 
-    # -- not an array -----------------------------------------------------------
+    # -- not an array, not copyable -----------------------------------------------
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a DelayedDict holds a traced program and its arguments and cannot be "
+            "pickled or copied; save or copy d.compute() (a plain dict of arrays).")
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        return self.__reduce_ex__(None)
+
 
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(self._not_an_array())
@@ -306,11 +385,7 @@ class DelayedDict(Mapping):
         sites = self._store.traced.sites
         for k in self._canonical:
             r = self._leaves[k]
-            node = out
-            for part in k[:-1]:
-                node = node.setdefault(part, {})
-            node[k[-1]] = (_Shown(values[r]) if r in values
-                           else _Pending(sites[r].avals))
+            _nest(out, k, _Shown(values[r]) if r in values else _Pending(sites[r].avals))
         return out
 
     def __repr__(self) -> str:
@@ -342,13 +417,27 @@ class DelayedDict(Mapping):
         return display.summary(self, compute=compute)
 
 
-def _canonical_keys(leaves: dict) -> list:
-    """One key per leaf, the shortest of its aliases, in first-seen order."""
-    best: dict = {}
-    for k, r in leaves.items():
-        if r not in best or len(k) < len(best[r]):
-            best[r] = k
-    return list(best.values())
+def _nest(out: dict, key: tuple, value: Any) -> None:
+    """Puts `value` at `key` in a dict nested by key parts. A key that is both
+    a leaf and a prefix of others (a site named like a scope) cannot nest:
+    it goes at the top level, under its whole tuple."""
+    node = out
+    for part in key[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            out[key] = value
+            return
+        node = nxt
+    if isinstance(node.get(key[-1]), dict):
+        out[key] = value
+    else:
+        node[key[-1]] = value
+
+
+def _same_avals(a: tuple, b: tuple) -> bool:
+    """Equal shapes and dtypes; weak types may differ (a Python float for f32)."""
+    return len(a) == len(b) and all(
+        x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
 
 
 class _Pending:
@@ -381,6 +470,10 @@ class _Raw:
 def _short(x: Any) -> str:
     if _jax.is_tracer(x):
         return f"<traced {jax.typeof(x).str_short(short_dtypes=True)}>"
+    if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+        return f"<{jax.typeof(x).str_short(short_dtypes=True)}>"  # no numbers to show
+    if not getattr(x, "is_fully_addressable", True):  # spread over processes
+        return f"<{jax.typeof(x).str_short(short_dtypes=True)} not addressable here>"
     a = np.asarray(x)
     if a.size <= 8:
         if np.issubdtype(a.dtype, np.floating):  # 6 significant digits, as float32 has

@@ -61,20 +61,34 @@ def display(key: Key) -> Any:
     return key[0] if len(key) == 1 else key
 
 
+MAX_OPTIONAL_LABELS = 8
+"""Past this many structural labels on one path, a leaf's aliases are only
+its canonical key and the key that writes every label (not all 2**n)."""
+
+
+def _options(x: Any, spelled: bool, structural_optional: bool | None) -> list[tuple]:
+    """The ways one path entry may be written: `structural_optional` None
+    leaves a structural label out, True allows both, False requires it."""
+    if not isinstance(x, Label):
+        return [(x,)] if spelled or x != PRIMAL else [()]
+    if spelled:
+        return [(x.spelled(),)]
+    if x.structural:
+        if structural_optional is None:
+            return [()]
+        return [(x.name,), ()] if structural_optional else [(x.name,)]
+    return [(x.name,)] if x.chosen else [()]
+
+
 def _alternatives(path: tuple, spelled: bool) -> list[tuple]:
-    options: list[list[tuple]] = []
-    for x in path:
-        if isinstance(x, Label):
-            if spelled:
-                options.append([(x.spelled(),)])
-            elif x.structural:
-                options.append([(x.name,), ()])
-            else:
-                options.append([(x.name,)] if x.chosen else [()])
-        else:
-            options.append([(x,)] if spelled or x != PRIMAL else [()])
-    return [tuple(p for part in combo for p in part)
-            for combo in itertools.product(*options)]
+    n_structural = sum(isinstance(x, Label) and x.structural for x in path)
+    modes: list = [True] if n_structural <= MAX_OPTIONAL_LABELS else [False, None]
+    out = []
+    for mode in modes:
+        options = [_options(x, spelled, mode) for x in path]
+        out += [tuple(p for part in combo for p in part)
+                for combo in itertools.product(*options)]
+    return list(dict.fromkeys(out))
 
 
 def assign(raw_keys: Iterable[tuple]) -> dict[tuple, list[Key]]:
@@ -96,4 +110,27 @@ def assign(raw_keys: Iterable[tuple]) -> dict[tuple, list[Key]]:
         unique = [k for k in short[r] if count[k] == 1]
         out[r] = unique or [(*labels, *r[1], r[2])
                             for labels in _alternatives(trimmed[r], True)]
+    return _separate(out, trimmed)
+
+
+SEPARATOR = "|"
+"""Stands between the labels and the scopes of a key when scopes or names
+spelled like labels would otherwise make two sites share one."""
+
+
+def _separate(out: dict, trimmed: dict) -> dict:
+    """Every key names one site: a key still shared (a scope called "vjp"
+    next to a cotangent) is dropped from the sites sharing it, and a site left
+    without a key gets the spelled key with `SEPARATOR` after its labels."""
+    owners: dict[Key, list] = {}
+    for r, ks in out.items():
+        for k in ks:
+            owners.setdefault(k, []).append(r)
+    shared = {k for k, rs in owners.items() if len(rs) > 1}
+    if not shared:
+        return out
+    for r in out:
+        kept = [k for k in out[r] if k not in shared]
+        out[r] = kept or [(*labels, SEPARATOR, *r[1], r[2])
+                          for labels in _alternatives(trimmed[r], True)]
     return out

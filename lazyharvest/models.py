@@ -43,33 +43,39 @@ def sow_modules(model: Any, *, tag: Hashable, filter: Filter | None = None,
     (its output is what the model returns). Array leaves of an output are sown;
     other leaves pass through. Only `__call__` is sown, not other methods.
 
-    Arguments:
-      model: an `equinox.Module`, a `flax.nnx.Module`, or a bound method of a
-        `flax.linen.Module` (`model.apply`).
-      tag: the harvest tag of the sites.
-      filter: `filter(path, module) -> bool` selects the submodules to sow
-        (all when None); `path` is a tuple of strings.
-      mode: the `sow` mode of every site. A submodule called more than once in
-        one run (a shared layer, a loop, a `scan` over layers) needs
-        `"append"` (values stacked in call order) or `"clobber"` (last call).
+    **Arguments:**
 
-    Returns:
-      Equinox: a new module of the same type; each selected submodule is
-      wrapped in a small module holding it (the array leaves are the same, in
-      the same order). NNX: a clone whose selected submodules sow
-      (`nnx.state` is the same). Linen: a function with `apply`'s signature.
+    - `model`: an `equinox.Module`, a `flax.nnx.Module`, or a bound method of
+      a `flax.linen.Module` (`model.apply`).
+    - `tag`: the harvest tag of the sites.
+    - `filter`: `filter(path, module) -> bool` selects the submodules to sow
+      (all when None); `path` is a tuple of strings.
+    - `mode`: the `sow` mode of every site. A submodule called more than once
+      in one run (a shared layer, a loop, a `scan` over layers) needs
+      `"append"` (values stacked in call order) or `"clobber"` (last call).
 
-    Raises:
-      HarvestError: unknown `mode`; at reap time, a `"strict"` submodule called
-        twice.
-      TypeError: `model` is none of the kinds above, or `filter` is not
-        callable.
+    **Returns:**
 
-    Example:
-      >>> mlp = eqx.nn.MLP(2, 1, 8, 2, key=jax.random.key(0))
-      >>> d = lh.reap(lh.sow_modules(mlp, tag="act"), tag="act")(x)
-      >>> d["layers", "0", "__call__"].shape
-      (8,)
+    Equinox: a new module of the same type; each selected submodule is
+    wrapped in a small module holding it (the array leaves are the same, in
+    the same order). NNX: a clone whose selected submodules sow (`nnx.state`
+    is the same). Linen: a function with `apply`'s signature.
+
+    **Raises:**
+
+    `lh.HarvestError` for an unknown `mode` and, at reap time, a `"strict"`
+    submodule called twice; `TypeError` when `model` is none of the kinds
+    above or `filter` is not callable.
+
+    **Example:**
+
+    >>> import equinox as eqx, jax, jax.numpy as jnp
+    >>> import lazyharvest as lh
+    >>> mlp = eqx.nn.MLP(2, 1, 8, 2, key=jax.random.key(0))
+    >>> sown = lh.sow_modules(mlp, tag="act")
+    >>> d = lh.reap(lambda x: sown(x), tag="act")(jnp.ones(2))
+    >>> print(d["layers", "0", "__call__"].shape)
+    (8,)
     """
     keep = _checked_filter(tag, filter, mode)
     site = (tag, mode)

@@ -65,6 +65,10 @@ def _norm(e: Entry) -> float:
         if _jax.is_tracer(p.value):
             raise TypeError("lazyharvest.plot: cannot plot traced values; call it "
                             "outside jit/vmap/grad, on a DelayedDict made there")
+        if not getattr(p.value, "is_fully_addressable", True):
+            # spread over processes: a global reduction every process runs
+            total += float(jnp.sum(jnp.abs(p.value).astype(jnp.float32) ** 2))
+            continue
         v = np.abs(np.asarray(p.value)).astype(np.float64)
         total += float(np.sum(v * v))
     return float(np.sqrt(total))

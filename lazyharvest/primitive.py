@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import jax
@@ -161,6 +161,10 @@ _jax.keep_in_scan_loops(sow_p, SowEffect, lambda params: params["effect"])
 
 
 def _check_leaf(leaf: Any, tag: Hashable, name: str) -> Any:
+    if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind not in "biufcV":
+        raise HarvestError(
+            f"sow(tag={tag!r}, name={name!r}): a sown value must hold numbers, got "
+            f"a numpy array of dtype {leaf.dtype}. Sow numeric arrays only.")
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or _jax.is_tracer(leaf):
         return leaf
     if isinstance(leaf, (bool, int, float, complex)):
@@ -171,20 +175,8 @@ def _check_leaf(leaf: Any, tag: Hashable, name: str) -> Any:
         f"Python numbers only.")
 
 
-def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
-        key: Any = None) -> Any:
-    """Marks `value` as the site `name` of harvest `tag`; returns `value`.
-
-    Outside a harvest of `tag` it is the identity: nothing in eager mode, an
-    eqn that lowers to no HLO under `jit`. `mode` says what a second sow of the
-    same name in one run does: "strict" (an error), "clobber" (the last value
-    wins) or "append" (values are stacked along a new leading axis).
-    `key` is accepted for compatibility with Oryx and not needed: constants are
-    reaped without it.
-    """
-    del key
-    if _jax.in_eager_mode() and isinstance(value, jax.Array) and mode in MODES:
-        return value  # the common case outside any transformation: nothing to do
+def _checked_leaves(value: Any, tag: Hashable, name: str, mode: str) -> tuple[list, Any]:
+    """The value's leaves as arrays, and its tree, once the arguments are checked."""
     if mode not in MODES:
         raise HarvestError(
             f"sow(tag={tag!r}, name={name!r}): unknown mode {mode!r}; use one "
@@ -197,7 +189,60 @@ def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
             f"sow(tag={tag!r}, name={name!r}): cannot sow None; sow an array "
             f"or a pytree of arrays.")
     leaves, tree = jax.tree_util.tree_flatten(value)
-    leaves = [_check_leaf(x, tag, name) for x in leaves]
+    return [_check_leaf(x, tag, name) for x in leaves], tree
+
+
+def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
+        key: Any = None) -> Any:
+    """Marks `value` as the site `name` of the harvests of `tag`; returns `value`.
+
+    Outside a harvest of `tag` it is the identity and costs nothing: nothing
+    happens in eager mode, and under `jax.jit` it lowers to no operation.
+    Inside `reap`, `call_and_reap`, `plant` or `harvest` of `tag`, its value
+    (and, under JAX's differentiation, its tangent or cotangent) can be reaped
+    or replaced.
+
+    **Arguments:**
+
+    - `value`: a pytree of arrays (Python numbers are taken as arrays).
+    - `tag`: any hashable; the harvests of this tag take the site.
+    - `name`: a string, the site's name; its key is `(*labels, *scopes, name)`.
+    - `mode`: what a second sow of `name` in one run does: `"strict"` (an
+      error), `"clobber"` (the last value wins) or `"append"` (the values are
+      stacked along a new leading axis, in program order; by iteration in
+      `lax.scan`). Inside `lax.while_loop` only `"clobber"` is allowed.
+    - `key`: accepted for compatibility with Oryx's `sow`, and ignored:
+      constants are reaped without it.
+
+    **Returns:**
+
+    `value` itself; inside a `plant` or `harvest` that plants this site, the
+    planted value.
+
+    **Raises:**
+
+    `lh.HarvestError` if `mode` is not one of the three, if `value` is `None`
+    or has a leaf that is not an array or a Python number, or if `name` is not
+    a string (checked where the sow is traced). A second `"strict"` sow of one
+    name, or one name sown with two modes, is reported by the harvest, when
+    the reaped function is called.
+
+    **Example:**
+
+    >>> import lazyharvest as lh
+    >>> def f(x):
+    ...     for _ in range(3):
+    ...         x = lh.sow(x + 1., tag="t", name="h", mode="append")
+    ...     return x
+    >>> print(f(0.))  # outside a harvest: the identity
+    3.0
+    >>> print(lh.reap(f, tag="t")(0.)["h"])
+    [1. 2. 3.]
+    """
+    del key
+    if _jax.in_eager_mode() and isinstance(value, jax.Array) and mode in MODES:
+        return value  # the common case outside any transformation: nothing to do
+    leaves, tree = _checked_leaves(value, tag, name, mode)
     if not leaves or _jax.in_eager_mode():
         return value
     tags, scopes = _current()
@@ -208,36 +253,153 @@ def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
 
 # --- vmap of lax.cond with a batched predicate ----------------------------------
 # JAX turns such a cond into "run every branch, then select". A site in each
-# branch would then be sown once per branch. Instead, lift the branches' sites
-# out as outputs, let JAX select them like any output, and sow the selected
-# value once: the site holds the taken branch's value, element by element.
+# branch would then be sown once per branch, and a copy sown after the select
+# would be dead: reverse mode and plants would not reach the program. Instead
+# the branches are cut at their sites (also inside `jax.jit` calls there),
+# merged into one order: stage k runs every branch up to site k, JAX selects
+# the value each element's branch sows there, that value is sown once, and the
+# sown value is what the later stages of every branch go on with. The site
+# then holds each element's taken branch value, and its cotangent and a plant
+# flow through the program. A clobber site that an element's branch does not
+# sow is zeros for that element (the batching rule cannot see its earlier
+# value; `lh.vmap` keeps it). Branches this cannot cut (sites inside other
+# higher-order primitives, append or strict sites only some branches sow,
+# shared sites in different orders) are batched as JAX does.
 
-def _lift_sites(closed):
-    found: list = []
+class _Stop(Exception):
+    """Raised when a branch reaches the site where its stage ends."""
+
+    def __init__(self, vals: list):
+        super().__init__()
+        self.vals = vals
+
+
+def _sub_jaxprs(params: dict) -> Iterator[Any]:
+    for v in params.values():
+        for x in v if isinstance(v, (tuple, list)) else (v,):
+            if isinstance(x, _jax.ClosedJaxpr):
+                yield x.jaxpr
+            elif isinstance(x, _jax.Jaxpr):
+                yield x
+
+
+def _sows(jaxpr: Any) -> Iterator[dict]:
+    """The params of every sow in `jaxpr`, nested ones included."""
+    for e in jaxpr.eqns:
+        if e.primitive is sow_p:
+            yield e.params
+        for j in _sub_jaxprs(e.params):
+            yield from _sows(j)
+
+
+def _inlined(eqn: Any) -> Any:
+    """The closed jaxpr of a call the stages look into, else None."""
+    if eqn.primitive is _jax.jit_p:
+        return eqn.params["jaxpr"]
+    if eqn.primitive is _jax.closed_call_p:
+        return eqn.params["call_jaxpr"]
+    return None
+
+
+def _site_order(jaxpr: Any) -> list | None:
+    """The params of the sows a branch runs, in order; None if one sits in a
+    higher-order primitive other than a call."""
+    out: list = []
+    for e in jaxpr.eqns:
+        if e.primitive is sow_p:
+            out.append(e.params)
+        elif any(True for j in _sub_jaxprs(e.params) for _ in _sows(j)):
+            inner = _inlined(e)
+            found = None if inner is None else _site_order(inner.jaxpr)
+            if found is None:
+                return None
+            out += found
+    return out
+
+
+def _run_to(jaxpr: Any, consts: Any, args: list, subs: list, stop: int | None,
+            count: list) -> list:
+    """Evaluates `jaxpr`; sow j outputs `subs[j]`; sow `stop` raises `_Stop`."""
+    def step(eqn: Any, vals: list) -> list:
+        inner = _inlined(eqn)
+        if eqn.primitive is sow_p:
+            j = count[0]
+            count[0] += 1
+            if j == stop:
+                raise _Stop(vals)
+            return subs[j]
+        if inner is not None and any(True for _ in _sows(inner.jaxpr)):
+            return _run_to(inner.jaxpr, inner.consts, vals, subs, stop, count)
+        outs = eqn.primitive.bind(*vals, **_jax.bind_params(eqn))
+        return outs if eqn.primitive.multiple_results else [outs]
+    return _jax.eval_eqns(jaxpr, consts, args, step)
+
+
+def _merge(orders: list[list]) -> tuple[list, list] | None:
+    """One order of every branch's sites in which each branch's own order is a
+    subsequence: (the sites' params, per branch the indexes of its sites).
+    None when the branches order shared sites differently."""
+    first: dict = {}  # site id -> (params, rank of first appearance)
+    ids_per: list = []
+    for order in orders:
+        seen: dict = {}
+        ids = []
+        for p in order:
+            key = tuple(sorted(_site_identity(p).items()))
+            n = seen[key] = seen.get(key, -1) + 1
+            ids.append((key, n))
+            first.setdefault((key, n), (p, len(first)))
+        ids_per.append(ids)
+    succ: dict = {i: [] for i in first}
+    indeg = dict.fromkeys(first, 0)
+    for ids in ids_per:
+        for a, b in zip(ids, ids[1:]):
+            if b not in succ[a]:
+                succ[a].append(b)
+                indeg[b] += 1
+    out: list = []
+    ready = [i for i in first if indeg[i] == 0]
+    while ready:
+        ready.sort(key=lambda i: first[i][1])
+        i = ready.pop(0)
+        out.append(i)
+        for j in succ[i]:
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                ready.append(j)
+    if len(out) < len(first):
+        return None
+    index = {i: k for k, i in enumerate(out)}
+    return [first[i][0] for i in out], [[index[i] for i in ids] for ids in ids_per]
+
+
+def _stage(closed: Any, own: list[int], k: int | None, site_avals: list) -> Any:
+    """A branch as `(*ops, *the leaves of sites 0..k-1) -> the inputs of site
+    k` (its outputs when `k` is None; zeros if it does not sow site k).
+
+    Sites are numbered in the merged order; `own` numbers the branch's sites.
+    """
+    n_in = len(closed.jaxpr.invars)
+    before = site_avals if k is None else site_avals[:k]
+    sizes = [len(a) for a in before]
 
     def fn(*args):
-        env: dict = {}
-        read = lambda v: v.val if isinstance(v, _jax.Literal) else env[v]
-        for v, x in zip(closed.jaxpr.invars, args):
-            env[v] = x
-        for v, x in zip(closed.jaxpr.constvars, closed.consts):
-            env[v] = x
-        lifted = []
-        for eqn in closed.jaxpr.eqns:
-            vals = [read(v) for v in eqn.invars]
-            if eqn.primitive is sow_p:
-                found.append(eqn.params)
-                lifted += vals
-                outs = vals
-            else:
-                outs = eqn.primitive.bind(*vals, **_jax.bind_params(eqn))
-                outs = outs if eqn.primitive.multiple_results else [outs]
-            for v, x in zip(eqn.outvars, outs):
-                env[v] = x
-        return [read(v) for v in closed.jaxpr.outvars] + lifted
+        per, i = [], n_in
+        for n in sizes:
+            per.append(list(args[i:i + n]))
+            i += n
+        if k is not None and k not in own:
+            return [jnp.zeros(a.shape, a.dtype) for a in site_avals[k]]
+        stop = None if k is None else own.index(k)
+        subs = [per[m] if m < len(per) else None for m in own]
+        try:
+            return _run_to(closed.jaxpr, closed.consts, list(args[:n_in]), subs, stop, [0])
+        except _Stop as at:
+            return at.vals
 
-    jaxpr, consts = _jax.trace_flat(fn, [v.aval for v in closed.jaxpr.invars])
-    return _jax.ClosedJaxpr(jaxpr, consts), found
+    avals = [v.aval for v in closed.jaxpr.invars] + [a for s in before for a in s]
+    jaxpr, consts = _jax.trace_flat(fn, avals)
+    return _jax.ClosedJaxpr(jaxpr, consts)
 
 
 def _site_identity(params: dict) -> dict:
@@ -246,27 +408,41 @@ def _site_identity(params: dict) -> dict:
     return dict(params, recompute=bool(params["recompute"]), remat=())
 
 
-def _make_cond_batcher(original):
-    def rule(axis_data, args, dims, *, branches, **params):
-        if dims[0] is None or not any(
-                e.primitive is sow_p for b in branches for e in b.jaxpr.eqns):
-            return original(axis_data, args, dims, branches=branches, **params)
-        lifted = [_lift_sites(b) for b in branches]
-        first = lifted[0][1]
-        same = all(list(map(_site_identity, ps)) == list(map(_site_identity, first))
-                   and b.out_avals == lifted[0][0].out_avals for b, ps in lifted)
-        if not same:  # the harvest reports mismatched branches
-            return original(axis_data, args, dims, branches=branches, **params)
-        outs, out_dims = original(axis_data, args, dims,
-                                  branches=tuple(b for b, _ in lifted), **params)
-        n = len(branches[0].out_avals)
-        site_vals, site_dims = list(outs[n:]), list(out_dims[n:])
-        for p in first:
-            k = p["tree"].num_leaves
-            vals, dms = site_vals[:k], site_dims[:k]
-            del site_vals[:k], site_dims[:k]
-            _batch(vals, dms, **p)
-        return list(outs[:n]), list(out_dims[:n])
+def _make_cond_batcher(original: Callable) -> Callable:
+    def rule(axis_data: Any, args: list, dims: list, *, branches: tuple,
+             **params: Any) -> Any:
+        unstaged = lambda: original(axis_data, args, dims, branches=branches, **params)
+        if dims[0] is None or not any(True for b in branches for _ in _sows(b.jaxpr)):
+            return unstaged()
+        found = [_site_order(b.jaxpr) for b in branches]
+        orders = [o for o in found if o is not None]
+        merged = _merge(orders) if len(orders) == len(found) else None
+        if merged is None:
+            return unstaged()
+        sites, owns = merged
+        site_avals: list = []  # per site, the avals of its leaves
+        sown: list = []  # the sown (batched) leaves of every site so far
+        sown_dims: list = []
+        for k, p in enumerate(sites):
+            having = [i for i, own in enumerate(owns) if k in own]
+            if p["mode"] != "clobber" and len(having) < len(branches):
+                return unstaged()
+            stages = {i: _stage(branches[i], owns[i], k, site_avals) for i in having}
+            shapes = [[(a.shape, a.dtype) for a in s.out_avals] for s in stages.values()]
+            if any(x != shapes[0] for x in shapes):
+                return unstaged()
+            site_avals.append(list(stages[having[0]].out_avals))
+            stages.update({i: _stage(b, owns[i], k, site_avals)
+                           for i, b in enumerate(branches) if i not in stages})
+            vals, vdims = original(axis_data, [*args, *sown], [*dims, *sown_dims],
+                                   branches=tuple(stages[i] for i in range(len(branches))),
+                                   **params)
+            vals, vdims = _batch(vals, vdims, **p)
+            sown += vals
+            sown_dims += vdims
+        final = tuple(_stage(b, own, None, site_avals) for b, own in zip(branches, owns))
+        return original(axis_data, [*args, *sown], [*dims, *sown_dims], branches=final,
+                        **params)
     return rule
 
 

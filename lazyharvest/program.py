@@ -10,7 +10,11 @@ the jaxpr, so only the slice that produces those values is compiled.
 from __future__ import annotations
 
 import collections
+import inspect
+import logging
 import threading
+import time
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -20,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lazyharvest import _jax
+from lazyharvest import _jax, slicing
 from lazyharvest import keys as keys_mod
 from lazyharvest._interpreter import (
     Harvest,
@@ -39,19 +43,35 @@ PROGRAM_CACHE_SIZE = 64
 TRACE_CACHE_SIZE = 16
 
 
+COMPILE_NOTICE_SECONDS = 2.0
+logger = logging.getLogger("lazyharvest")
+
+
 class Program:
     """Compiled slice: `(*args, *plant leaves) -> (*outs?, *site leaves)`."""
 
-    def __init__(self, jaxpr: _jax.Jaxpr, consts: list):
+    def __init__(self, jaxpr: _jax.Jaxpr, consts: list, what: str = "a leaf"):
         self.jaxpr = jaxpr
         self.consts = consts
+        self.what = what
         self.fn = jax.jit(self._eval)
+        self.first = True
 
     def _eval(self, *flat):
         return _jax.eval_jaxpr(self.jaxpr, self.consts, *flat)
 
     def __call__(self, *flat):
-        return self.fn(*flat)
+        if not self.first:
+            return self.fn(*flat)
+        self.first = False
+        start = time.perf_counter()
+        out = self.fn(*flat)
+        took = time.perf_counter() - start
+        if took > COMPILE_NOTICE_SECONDS and not _jax.any_tracer(flat):
+            # Silent by default; logging.getLogger("lazyharvest").setLevel(INFO).
+            logger.info("lazyharvest: compiling %s took %.1f s (%d eqns)",
+                        self.what, took, len(self.jaxpr.eqns))
+        return out
 
 
 @attrs.frozen
@@ -62,9 +82,10 @@ class PlantEntry:
     mode: str
     additive: bool  # a cotangent site: the plant is added, not substituted
     avals: tuple
+    add: bool = False  # plant(mode="add"): added to the sown value
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # hashed on every call (program-cache key)
 class PlantSpec:
     """Which sites a call plants, and how: hashable, and free of values.
 
@@ -85,7 +106,7 @@ class PlantSpec:
     def plants(self, leaves: Sequence[Any]) -> dict[RawKey, Plant]:
         """The `Plant`s of a run, given the planted leaves in order."""
         *chunks, _ = split_list(leaves, [len(e.avals) for e in self.entries])
-        return {e.key: Plant(c, e.mode, e.additive)
+        return {e.key: Plant(c, e.mode, e.additive, e.add)
                 for e, c in zip(self.entries, chunks)}
 
 
@@ -109,37 +130,47 @@ class Traced:
     raw_of: dict  # user key -> RawKey
     names: frozenset  # every name the tag sows, filtered or not
     other_tags: frozenset  # tags of the other sites in the program (for errors)
+    arg_spec: Any = None  # ArgSpec of the calls this trace serves
     programs: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)
     indexes: dict = attrs.field(factory=dict)  # PlantSpec -> key index
     lock: Any = attrs.field(factory=threading.RLock)
 
-    def key_index(self, plants: PlantSpec = NO_PLANTS) -> dict:
-        """User key -> RawKey of every leaf a DelayedDict offers (aliases
-        included, planted sites excluded)."""
+    def key_index(self, plants: PlantSpec = NO_PLANTS) -> tuple[dict, list]:
+        """(user key -> RawKey of every leaf a DelayedDict offers, aliases
+        included and planted sites excluded; the canonical keys, in order)."""
         index = self.indexes.get(plants)
         if index is None:
             planted = plants.keys
-            index = {u: r for r, us in self.key_of.items() if r not in planted
-                     for u in us}
-            self.indexes[plants] = index
+            keys = {u: r for r, us in self.key_of.items() if r not in planted
+                    for u in us}
+            index = self.indexes[plants] = (keys, canonical_keys(keys))
         return index
 
+    def direct_keys(self, plants: PlantSpec = NO_PLANTS) -> list[RawKey]:
+        """Sites whose leaves the program itself computes (no recorded
+        transform applied to a slice): free to return with its output."""
+        return [k for k in self.sites if k not in plants.keys
+                and not any(isinstance(x, Label) for x in k[0])]
+
     def program(self, raw_keys: Sequence[RawKey], with_out: bool,
-                plants: PlantSpec = NO_PLANTS) -> Program:
-        cache_key = (tuple(raw_keys), with_out, plants)
+                plants: PlantSpec = NO_PLANTS, pass_through: bool = False) -> Program:
+        """The compiled slice computing `raw_keys` (and the output, `with_out`);
+        with `pass_through`, unplanted sites stay sites of the program."""
+        cache_key = (tuple(raw_keys), with_out, plants, pass_through)
         with self.lock:
             prog = self.programs.get(cache_key)
             if prog is not None:
                 self.programs.move_to_end(cache_key)
                 return prog
-        prog = self._build(list(raw_keys), with_out, plants)
+        prog = self._build(list(raw_keys), with_out, plants, pass_through)
         with self.lock:
             self.programs[cache_key] = prog
             while len(self.programs) > PROGRAM_CACHE_SIZE:
                 self.programs.popitem(last=False)
         return prog
 
-    def _build(self, raw_keys: list, with_out: bool, plants: PlantSpec) -> Program:
+    def _build(self, raw_keys: list, with_out: bool, plants: PlantSpec,
+               pass_through: bool) -> Program:
         wanted = frozenset(raw_keys)
         n_args = len(self.in_avals)
         closed = self.jaxpr
@@ -152,14 +183,24 @@ class Traced:
             planted = {k: attrs.evolve(p, count=counts.get(k, 1))
                        for k, p in plants.plants(leaves).items()}
             run = Run(self.harvest, wanted.__contains__, planted,
-                      keep_other_tags=with_out)
+                      keep_other_tags=with_out, pass_through=pass_through)
             outs = run.eval(closed.jaxpr, closed.consts, args)
             site = [x for k in raw_keys for x in run.records[k].leaves()]
             return [*outs, *site] if with_out else site
 
         jaxpr, consts = _jax.trace_flat(fn, [*self.in_avals, *plants.avals])
-        jaxpr, _ = _jax.dce(jaxpr, [True] * len(jaxpr.outvars))
-        return Program(jaxpr, consts)
+        what = ", ".join(str(keys_mod.display(self.key_of[k][0])) for k in raw_keys)
+        what = ("the output" + (f" and {what}" if what else "")) if with_out else what
+        return Program(slicing.dce(jaxpr, [True] * len(jaxpr.outvars)), consts, what)
+
+
+def canonical_keys(leaves: dict) -> list:
+    """One key per leaf, the shortest of its aliases, in first-seen order."""
+    best: dict = {}
+    for k, r in leaves.items():
+        if r not in best or len(k) < len(best[r]):
+            best[r] = k
+    return list(best.values())
 
 
 def _site_names(jaxpr: _jax.Jaxpr, tag: Any, names: set, tags: set) -> tuple[set, set]:
@@ -175,12 +216,31 @@ def _site_names(jaxpr: _jax.Jaxpr, tag: Any, names: set, tags: set) -> tuple[set
     return names, tags
 
 
-def trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -> Traced:
+def _check_output(out: Any, harvest: Harvest, f: Callable) -> Any:
+    """A harvested function returns a pytree of arrays (like a jitted one)."""
+    if inspect.isgenerator(out):
+        out = [out]  # reported below, before JAX flattens it (a deprecated leaf)
+    for leaf in jax.tree_util.tree_leaves(out, is_leaf=inspect.isgenerator):
+        if not (hasattr(leaf, "aval") or isinstance(leaf, (*_ARRAY_TYPES, bool))):
+            what = ("a generator (harvested functions must return their values)"
+                    if inspect.isgenerator(leaf) else f"a {type(leaf).__name__}")
+            raise HarvestError(
+                f"harvest of tag {harvest.tag!r}: {getattr(f, '__name__', f)!r} returned "
+                f"{what}; a harvested function returns a pytree of arrays. Return "
+                f"arrays, and pass other values out through a closure.")
+    return out
+
+
+def trace(f: Callable, harvest: Harvest, spec: ArgSpec, in_avals: tuple) -> Traced:
     """Traces `f` abstractly once and finds its sites (no FLOPs)."""
+    def call(*dynamic):
+        args, kwargs = spec.rebuild(dynamic)
+        return _check_output(f(*args, **kwargs), harvest, f)
+
+    flat_tree = jax.tree_util.tree_structure(tuple(range(len(in_avals))))
     with harvesting(harvest.tag):
         closed, out_tree = _jax.trace_pytree(
-            lambda args, kwargs: f(*args, **kwargs), in_tree, in_avals,
-            name=getattr(f, "__name__", "harvested"))
+            call, flat_tree, in_avals, name=getattr(f, "__name__", "harvested"))
     run = Run(harvest, lambda k: True, abstract=True)
     found: list = []
 
@@ -195,27 +255,87 @@ def trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -> Trace
     names, tags = _site_names(closed.jaxpr, harvest.tag, set(), set())
     return Traced(harvest, closed, in_avals, out_tree, sites, key_of,
                   {u: k for k, us in key_of.items() for u in us},
-                  frozenset(names), frozenset(tags))
+                  frozenset(names), frozenset(tags), spec)
 
 
 # --- the trace cache: weak in the user's function ---------------------------
+#
+# Keyed by the function's identity, held weakly: dropping the function frees
+# its traces and programs. A recorded-transform wrapper (`lh.grad(f)`, built
+# anew on every call of a training loop) is keyed by what it *is* — the
+# function it wraps plus its transform and parameters (`__lazyharvest_key__`)
+# — so rebuilding it retraces and recompiles nothing.
 
-_TRACES: weakref.WeakKeyDictionary[Any, collections.OrderedDict] = weakref.WeakKeyDictionary()
+
+class _Owner:
+    """The traces of one function, and a weak reference that drops them."""
+
+    def __init__(self, ref: Any):
+        self.ref = ref
+        self.traces: collections.OrderedDict = collections.OrderedDict()
+
+
+_TRACES: dict[int, _Owner] = {}
 _TRACES_LOCK = threading.Lock()
+_WARNED: set = set()
 
 
-def cached_trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -> Traced:
-    key = (harvest, in_tree, in_avals, active_tags(), current_scopes(),
-           _jax.trace_context())
+def _owner_of(f: Callable) -> tuple[Any, Any]:
+    """(the object the cache is kept for, the key of `f` relative to it)."""
+    key = getattr(f, "__lazyharvest_key__", None)
+    if key is not None:
+        return f.__lazyharvest_base__, key  # type: ignore[attr-defined]
+    return f, None
+
+
+def _traces_for(base: Any) -> collections.OrderedDict | None:
+    owner = _TRACES.get(id(base))
+    if owner is not None and owner.ref() is base:
+        return owner.traces
+    key = id(base)
     try:
-        with _TRACES_LOCK:
-            per_fn = _TRACES.setdefault(f, collections.OrderedDict())
-            hit = per_fn.get(key)
-    except TypeError:  # not weakly referenceable, or unhashable key parts
-        return trace(f, harvest, in_tree, in_avals)
+        ref = weakref.ref(base, lambda r: _forget(key, r))
+    except TypeError:
+        return None
+    owner = _Owner(ref)
+    _TRACES[id(base)] = owner
+    return owner.traces
+
+
+def _forget(i: int, ref: Any) -> None:
+    with _TRACES_LOCK:
+        owner = _TRACES.get(i)
+        if owner is not None and owner.ref is ref:
+            del _TRACES[i]
+
+
+def _warn_uncached(f: Callable) -> None:
+    name = type(f).__name__
+    if name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(
+            f"lazyharvest cannot cache traces of a {name} (it cannot be weakly "
+            f"referenced): every call retraces and recompiles. Wrap it in a "
+            f"function defined once (def g(*a): return f(*a)).", stacklevel=4)
+
+
+def cached_trace(f: Callable, harvest: Harvest, spec: ArgSpec, in_avals: tuple) -> Traced:
+    """The trace of `f` for these arguments, from the cache when possible."""
+    base, fkey = _owner_of(f)
+    key = (fkey, harvest, spec, in_avals, active_tags(), current_scopes(),
+           _jax.trace_context())
+    with _TRACES_LOCK:
+        per_fn = _traces_for(base)
+        try:
+            hit = per_fn.get(key) if per_fn is not None else None
+        except TypeError:  # unhashable key parts (a static argument)
+            per_fn = hit = None
+    if per_fn is None:
+        _warn_uncached(f)
+        return trace(f, harvest, spec, in_avals)
     if hit is not None:
         return hit
-    traced = trace(f, harvest, in_tree, in_avals)
+    traced = trace(f, harvest, spec, in_avals)
     if _jax.any_tracer(traced.jaxpr.consts):  # closes over a tracer: this trace only
         return traced
     with _TRACES_LOCK:
@@ -225,31 +345,87 @@ def cached_trace(f: Callable, harvest: Harvest, in_tree: Any, in_avals: tuple) -
     return traced
 
 
-def flatten_args(args: tuple, kwargs: dict) -> tuple[list, Any, tuple]:
-    """Leaves, tree and avals of a call's arguments (checked to be arrays)."""
+@attrs.frozen
+class Static:
+    """An argument passed by value (`static_argnums`/`static_argnames`):
+    part of the cache key, never traced."""
+
+    value: Any
+
+
+@attrs.frozen
+class ArgSpec:
+    """How a call's arguments split into traced arrays and static values.
+
+    Hashable: the trace cache keys on it. `static` holds `(leaf index,
+    value)` for every leaf that is not an array (functions, strings, flags,
+    `Static` arguments), as `equinox.filter_jit` does.
+    """
+
+    in_tree: Any  # of (args, kwargs), every leaf
+    static: tuple = ()
+
+    def rebuild(self, dynamic: Sequence[Any]) -> tuple[tuple, dict]:
+        """The call's (args, kwargs), from its traced leaves."""
+        leaves = list(dynamic)
+        for i, value in self.static:
+            leaves.insert(i, value)
+        args, kwargs = jax.tree_util.tree_unflatten(self.in_tree, leaves)
+        args = tuple(a.value if isinstance(a, Static) else a for a in args)
+        kwargs = {k: v.value if isinstance(v, Static) else v for k, v in kwargs.items()}
+        return args, kwargs
+
+
+_ARRAY_TYPES = (np.ndarray, np.generic, int, float, complex)
+
+
+def _is_static_leaf(x: Any) -> bool:
+    # Python flags are static (they steer control flow, as with
+    # equinox.filter_jit); numbers are traced, as jax.jit traces them.
+    return isinstance(x, bool) or not isinstance(x, _ARRAY_TYPES)
+
+
+def flatten_args(args: tuple, kwargs: dict) -> tuple[list, ArgSpec, tuple]:
+    """Traced leaves, their `ArgSpec` and avals, for a call's arguments."""
     leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
     try:  # arrays and tracers carry their aval: much cheaper than typeof
-        return leaves, in_tree, tuple([x.aval for x in leaves])
+        return leaves, ArgSpec(in_tree), tuple([x.aval for x in leaves])
     except AttributeError:
         pass
-    avals = []
-    for x in leaves:
+    dynamic, avals, static = [], [], []
+    for i, x in enumerate(leaves):
         aval = getattr(x, "aval", None)
-        if aval is None:
-            if not isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
-                raise HarvestError(
-                    f"harvested functions take pytrees of arrays; got an argument "
-                    f"leaf of type {type(x).__name__}. Close over non-array "
-                    f"arguments (functools.partial) instead.")
-            aval = jax.typeof(x)
-        avals.append(aval)
-    return leaves, in_tree, tuple(avals)
+        if aval is None and _is_static_leaf(x):
+            static.append((i, _hashable(x, i)))
+            continue
+        dynamic.append(x)
+        avals.append(jax.typeof(x) if aval is None else aval)
+    return dynamic, ArgSpec(in_tree, tuple(static)), tuple(avals)
+
+
+def _hashable(x: Any, i: int) -> Any:
+    try:
+        hash(x)
+    except TypeError:
+        shown = x.value if isinstance(x, Static) else x
+        raise HarvestError(
+            f"harvested functions treat arguments that are not arrays as static "
+            f"(part of the compile-cache key, as jax.jit's static arguments), so "
+            f"they must be hashable; argument leaf #{i} of type "
+            f"{type(shown).__name__} is not. Pass it as an array, make it "
+            f"hashable, or close over it (functools.partial).") from None
+    return x
 
 
 # --- plants ------------------------------------------------------------------
 
-def resolve_plants(traced: Traced, plants: Any) -> tuple[PlantSpec, list]:
-    """Checks `plants` against the sites; returns their spec and leaves."""
+def resolve_plants(traced: Traced, plants: Any, add: bool = False
+                   ) -> tuple[PlantSpec, list]:
+    """Checks `plants` against the sites; returns their spec and leaves.
+
+    With `add`, a plant is added to the sown value and may be of any shape
+    that broadcasts to the site's (a `(D,)` vector into a `(B, T, D)` site).
+    """
     h = traced.harvest
     found: dict = {}
 
@@ -296,17 +472,35 @@ def resolve_plants(traced: Traced, plants: Any) -> tuple[PlantSpec, list]:
                 f"{site.tree}. Plant a value of the same pytree structure.")
         cast = []
         for v, aval in zip(vals, site.avals):
-            cast.append(_cast_plant(v, aval, where))
+            cast.append(_cast_plant(v, aval, where, add))
         spec.append(PlantEntry(raw, site.mode, bool(raw[0]) and raw[0][-1] == VJP,
-                               tuple(jax.typeof(x) for x in cast)))
+                               tuple(jax.typeof(x) for x in cast), add))
         leaves += cast
     return PlantSpec(tuple(spec)), leaves
 
 
-def _cast_plant(v: Any, aval: Any, where: str) -> Any:
+def _cast_plant(v: Any, aval: Any, where: str, add: bool = False) -> Any:
+    if isinstance(v, jax.Array) and v.shape == aval.shape and v.dtype == aval.dtype:
+        return v  # the common case in a sweep: nothing to convert, no device op
+    if not hasattr(v, "dtype") and not isinstance(v, (bool, int, float, complex)):
+        arr = np.asarray(v) if not isinstance(v, (str, bytes)) else None
+        if arr is None or arr.dtype.kind not in "biufc":
+            raise HarvestError(f"{where}: a planted value must be an array or a "
+                               f"number, got {type(v).__name__}.")
+        v = arr
     shape, dtype = tuple(np.shape(v)), jnp.result_type(v)
     weak = isinstance(v, (int, float, complex, bool)) or getattr(
         jax.typeof(v), "weak_type", False)
+    if add and shape != tuple(aval.shape):
+        try:
+            broadcast = np.broadcast_shapes(shape, tuple(aval.shape))
+        except ValueError:
+            broadcast = None
+        if broadcast != tuple(aval.shape):
+            raise HarvestError(
+                f"{where}: an added plant of shape {shape} does not broadcast to "
+                f"the site's shape {tuple(aval.shape)}.")
+        v, shape = jnp.broadcast_to(v, aval.shape), tuple(aval.shape)
     if shape != tuple(aval.shape):
         raise HarvestError(
             f"{where}: planted value has shape {shape}, the site has shape "

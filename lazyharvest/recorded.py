@@ -13,7 +13,9 @@ here next to the primitive, builds the leaves described in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -31,8 +33,11 @@ from lazyharvest._interpreter import (
     Run,
     add_counts,
     count_occurrences,
+    jaxpr_has_sites,
 )
+from lazyharvest.errors import HarvestError
 from lazyharvest.keys import Label
+from lazyharvest.primitive import active_tags
 
 DIFFERENTIAL = ("grad", "value_and_grad", "jacfwd", "jacrev", "hessian")
 STRUCTURAL = ("jit", "vmap")
@@ -187,10 +192,45 @@ recorded_p = _jax.Primitive("recorded_transform")
 recorded_p.multiple_results = True
 
 
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def _applying() -> Iterator[None]:
+    """Marks the library applying a recorded transformation itself (its JAX
+    rules may then transform nested recorded eqns)."""
+    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _LOCAL.depth -= 1
+
+
 def _evaluate(*flat, jaxpr, transform, out_avals):
     del out_avals
     inner = lambda *a: _jax.eval_jaxpr(jaxpr, (), *a)
-    return jax.tree_util.tree_leaves(transform.call(inner, flat))
+    with _applying():
+        return jax.tree_util.tree_leaves(transform.call(inner, flat))
+
+
+def _refuse_outer_jax_transform(what: str, jaxpr: _jax.Jaxpr, transform: Transform) -> None:
+    """A JAX transformation applied around a recorded one while a harvest is
+    traced would give the sites JAX's labels, silently: say what to write.
+
+    `lh.jit` is exempt: its label is structural (keys differing only in it
+    are aliases), so the keys JAX's labels give are the recorded ones.
+    """
+    if getattr(_LOCAL, "depth", 0) or transform.name == "jit":
+        return
+    tags = [t for t in active_tags() if jaxpr_has_sites(jaxpr, t)]
+    if tags:
+        raise HarvestError(
+            f"harvest of tag {tags[0]!r}: {what} is applied around "
+            f"lh.{transform.name}(...) inside the reaped function, so its sites "
+            f"would get JAX's labels, not the recorded ones. Use the recorded "
+            f"transformations (lh.jvp, lh.grad, lh.vmap, ...) for every "
+            f"transformation around a recorded one, or apply {what} outside the "
+            f"harvest.")
 
 
 def _abstract_eval(*avals, jaxpr, transform, out_avals):
@@ -199,11 +239,14 @@ def _abstract_eval(*avals, jaxpr, transform, out_avals):
 
 
 def _jvp(primals, tangents, **params):
+    _refuse_outer_jax_transform("a JAX differentiation (jax.jvp, jax.grad, ...)",
+                                params["jaxpr"], params["transform"])
     tangents = [_jax.ad.instantiate_zeros(t) for t in tangents]
     return jax.jvp(lambda *a: _evaluate(*a, **params), list(primals), tangents)
 
 
 def _batch(vals, dims, **params):
+    _refuse_outer_jax_transform("jax.vmap", params["jaxpr"], params["transform"])
     outs = jax.vmap(lambda *a: _evaluate(*a, **params), in_axes=list(dims))(*vals)
     return outs, [0] * len(outs)
 
@@ -220,16 +263,21 @@ def record(name: str, f: Callable, kwargs: dict, args: tuple, fkwargs: dict,
     """Stages `name(f)(*args, **fkwargs)` as one recorded_transform eqn."""
     flat, in_tree = jax.tree_util.tree_flatten((args, fkwargs))
     avals = [jax.typeof(x) for x in flat]
+    axes: list = []
     if name == "vmap":
-        avals = _per_example_avals(kwargs, args, fkwargs)
-    closed, f_out_tree = _jax.trace_pytree(lambda a, k: f(*a, **k), in_tree, avals,
-                                           name=getattr(f, "__name__", name))
+        avals, size = _per_example_avals(kwargs, args, fkwargs)
+        if kwargs.get("axis_name") is not None:  # collectives inside need the axis
+            axes = [(kwargs["axis_name"], size)]
+    with _jax.axis_env(axes):
+        closed, f_out_tree = _jax.trace_pytree(lambda a, k: f(*a, **k), in_tree, avals,
+                                               name=getattr(f, "__name__", name))
     consts = list(closed.consts)
     jaxpr = _jax.consts_as_invars(closed.jaxpr)
     transform = Transform(name, kwargs, in_tree, f_out_tree, len(consts))
     operands = [*consts, *flat, *jax.tree_util.tree_leaves(extra)]
     inner = lambda *a: _jax.eval_jaxpr(jaxpr, (), *a)
-    shape = jax.eval_shape(lambda *a: transform.call(inner, a), *operands)
+    with _applying():
+        shape = jax.eval_shape(lambda *a: transform.call(inner, a), *operands)
     leaves, out_tree = jax.tree_util.tree_flatten(shape)
     outs = recorded_p.bind(*operands, jaxpr=jaxpr, transform=transform,
                            out_avals=tuple(jax.typeof(x) if not isinstance(
@@ -238,16 +286,16 @@ def record(name: str, f: Callable, kwargs: dict, args: tuple, fkwargs: dict,
     return jax.tree_util.tree_unflatten(out_tree, outs)
 
 
-def _per_example_avals(vmap_kwargs: dict, args: tuple, fkwargs: dict) -> list:
-    """The avals the function inside `vmap` sees: vmap itself tells."""
+def _per_example_avals(vmap_kwargs: dict, args: tuple, fkwargs: dict) -> tuple[list, int]:
+    """The avals the function inside `vmap` sees, and the axis size: vmap tells."""
     seen: list = []
 
     def probe(*a, **k):
         seen.append([jax.typeof(x) for x in jax.tree_util.tree_leaves((a, k))])
         return 0
     kw = {n: v for n, v in vmap_kwargs.items() if n != "out_axes"}
-    jax.eval_shape(lambda *a, **k: jax.vmap(probe, **kw)(*a, **k), *args, **fkwargs)
-    return seen[0]
+    size = jax.eval_shape(lambda *a, **k: jax.vmap(probe, **kw)(*a, **k), *args, **fkwargs)
+    return seen[0], size.shape[0]
 
 
 def _jax_aval(s: jax.ShapeDtypeStruct) -> Any:
@@ -363,8 +411,12 @@ def _record_leaves(run: Run, t: Transform, jaxpr: _jax.Jaxpr, invals: list,
             primal = t.site_value(leaf_fn, invals, False, extra, extra_axes)
             values = [t.site_placeholder(primal[i], invals) for i in idx]
         else:
-            values = t.site_value(lambda *f: tuple(leaf_fn(*f)[i] for i in idx),
-                                  invals, chosen, extra, extra_axes)
+            pick = lambda *f, idx=idx: _pick(leaf_fn(*f), idx)  # one evaluation
+            values = t.site_value(pick, invals, chosen, extra, extra_axes)
         for ok, value in zip(group, values):
             leaves, tree = jax.tree_util.tree_flatten(value)
             run.record(ok, modes[wanted[ok][0]], tree, leaves)
+
+
+def _pick(values: tuple, idx: list) -> tuple:
+    return tuple(values[i] for i in idx)

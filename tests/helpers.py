@@ -1,7 +1,12 @@
 """Small shared helpers for the tests."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from hypothesis import find, settings
+
+import lazyharvest as lh
+from lazyharvest import testing as T
 
 
 def close(a, b, rtol=1e-5, atol=1e-5):
@@ -22,3 +27,31 @@ class CompileCounter:
     def _listen(self, event, duration, **kwargs):
         if event == self.EVENT:
             self.count += 1
+
+
+# --- for the law tests -----------------------------------------------------------------
+
+def victim(x):
+    a = lh.sow(jnp.sin(x) * x, tag="t", name="a")
+    b = lh.nest(lambda v: lh.sow(jnp.tanh(v) + 1., tag="t", name="b"), scope="s")(a)
+    return jnp.sum(a * b)
+
+
+X = jnp.array([0.3, -1.2, 0.8])
+
+
+def fresh_victim():
+    """`victim` as a fresh function object: no trace cached under a patched rule."""
+    return lambda x: victim(x)
+
+
+_CORPUS: dict = {}
+
+
+def simplest_with(construct):
+    """The simplest generated program using `construct` (deterministic)."""
+    if construct not in _CORPUS:
+        _CORPUS[construct] = find(
+            T.programs(), lambda p: construct in p.constructs,
+            settings=settings(max_examples=2000, database=None, derandomize=True))
+    return _CORPUS[construct]

@@ -3,9 +3,9 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import close
 
 import lazyharvest as lh
+from helpers import close
 
 
 def f(x):

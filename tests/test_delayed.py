@@ -7,9 +7,9 @@ import weakref
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import CompileCounter, close
 
 import lazyharvest as lh
+from helpers import CompileCounter, close
 
 sow = lh.sow
 COMPILES = CompileCounter()

@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import close
 
 import lazyharvest as lh
+from helpers import close
 
 
 def f(x):

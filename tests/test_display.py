@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import CompileCounter
 
 import lazyharvest as lh
+from helpers import CompileCounter
 from lazyharvest import display
 
 sow = lh.sow

@@ -1,5 +1,5 @@
 """The laws of docs/laws.md, run with `lazyharvest.testing` over random programs
-and hand-written models; every checker is shown to fail on a broken harvest.
+and hand-written models.
 
 Where the contract's statement of a law is narrowed, a `test_narrowed_*` test
 shows the counterexample. Bugs the laws found (since fixed) stay as
@@ -8,26 +8,22 @@ shows the counterexample. Bugs the laws found (since fixed) stay as
 leave out the construct that triggers it, with a comment naming that test.
 """
 
-import subprocess
-import sys
-import textwrap
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
 import lazyharvest as lh
+from helpers import X, fresh_victim, simplest_with
 from lazyharvest import testing as T
-from lazyharvest._jax import ad as _ad  # the one module that touches JAX internals
-from lazyharvest.primitive import JVP, PRIMAL, VJP, sow_p
 
 HAS_TRANSFORMS = all(hasattr(lh, n) for n in ("vmap", "jit", "grad", "jacfwd", "jacrev"))
 needs_transforms = pytest.mark.xfail(not HAS_TRANSFORMS, reason="needs recorded transforms",
                                      strict=False)
+
 
 # Few, small examples: every example compiles a handful of XLA programs.
 FEW = settings(max_examples=10, suppress_health_check=list(HealthCheck))
@@ -136,23 +132,6 @@ def test_law9_nest(pa):
 
 # --- every law on the simplest program with each construct ----------------------------
 
-_CORPUS: dict = {}
-
-
-def simplest_with(construct):
-    """The simplest generated program using `construct` (deterministic)."""
-    if construct not in _CORPUS:
-        _CORPUS[construct] = find(
-            T.programs(), lambda p: construct in p.constructs,
-            settings=settings(max_examples=2000, database=None, derandomize=True))
-    return _CORPUS[construct]
-
-
-@pytest.mark.parametrize("construct", sorted(T.CONSTRUCTS))
-def test_generator_covers_construct(construct):
-    assert construct in simplest_with(construct).constructs
-
-
 @pytest.mark.parametrize("construct", sorted(T.CONSTRUCTS - {"site", "elementwise"}))
 def test_every_law_on_construct(construct):
     p = simplest_with(construct)
@@ -165,74 +144,6 @@ def test_every_law_on_construct(construct):
     if not p.reverse_differentiable:
         expected -= {5}  # no reverse mode through while_loop
     assert set(report.passed()) == expected, str(report)
-
-
-def test_generator_respects_exclude_and_dead_code():
-    found = []
-
-    @settings(max_examples=40, database=None, derandomize=True)
-    @given(T.programs(exclude={"while", "scan", "constant"}, dead_code=False))
-    def collect(p):
-        found.append(p)
-    collect()
-    for p in found:
-        assert not p.constructs & {"while", "scan", "constant"}
-        assert len(p.output.srcs) >= 1
-    with pytest.raises(ValueError, match="unknown constructs"):
-        T.programs(exclude={"nonsense"})
-
-
-def test_oracle_is_independent_of_lazyharvest(monkeypatch):
-    # The slices, plants and perturbations never call sow.
-    p = find(T.programs(), lambda p: {"scan", "cond", "scope"} <= p.constructs,
-             settings=settings(max_examples=3000, database=None, derandomize=True))
-    args = p.example_args(3)
-
-    def no_sow(*a, **k):
-        raise AssertionError("the oracle called lh.sow")
-    monkeypatch.setattr(lh, "sow", no_sow)
-    values = {k: s(*args) for k, s in p.slices.items()}
-    p.plant({}, *args)
-    p.perturb({}, *args)
-    assert set(values) == set(p.keys)
-
-
-def test_program_repr_is_a_listing():
-    p = find(T.programs(), lambda p: "scan" in p.constructs,
-             settings=settings(max_examples=2000, database=None, derandomize=True))
-    text = repr(p)
-    assert text.startswith("def random_program(") and "scan(" in text
-
-
-def test_stacks_and_inputs_agree():
-    seen = []
-
-    @settings(max_examples=30, database=None, derandomize=True)
-    @given(st.data())
-    def draw(data):
-        p = data.draw(T.programs(max_statements=2))
-        s = data.draw(T.transform_stacks(p))
-        args = data.draw(T.inputs(p, s))
-        assert 1 <= len(s.transforms) <= 3
-        jax.eval_shape(s.apply(p.fn, jax), *args)  # the inputs fit the stack
-        seen.extend(t.kind for t in s.transforms)
-    draw()
-    assert {"grad", "jacfwd", "jacrev", "vmap", "jit"} <= set(seen)
-
-
-def test_site_info_modes_and_counts():
-    def f(x):
-        a = lh.sow(x, tag="t", name="a")
-        c = lax.scan(lambda c, xi: (lh.sow(c + xi, tag="t", name="c", mode="clobber"),
-                                    lh.sow(c * xi, tag="t", name="p", mode="append")),
-                     0., x)[0]
-        b = lax.cond(c > 0, lambda v: lh.sow(v, tag="t", name="b"),
-                     lambda v: lh.sow(-v, tag="t", name="b"), a)
-        return lh.nest(lambda v: lh.sow(v, tag="t", name="n"), scope="s")(b)
-    info = T.site_info(f, jnp.ones(3), tag="t")
-    assert info["a",].once and info["b",].once and info["s", "n"].once
-    assert info["c",].mode == "clobber" and not info["c",].once
-    assert info["p",].mode == "append" and info["p",].count == np.inf
 
 
 # --- hand-written models -------------------------------------------------------------
@@ -323,171 +234,6 @@ def test_check_all_on_model(name):
     assert (3 in ran) == HAS_TRANSFORMS, str(report)
 
 
-def test_check_all_skips_what_does_not_apply():
-    def f(n):  # integer input: no differentiation laws
-        return lh.sow(n * 2, tag="t", name="d") + 1
-    report = T.check_all(f, jnp.arange(3), tag="t")
-    skipped = report.skipped()
-    assert {1, 2, 5, 7} <= set(skipped), str(report)
-    assert {4, 6, 8, 9} <= set(report.passed()), str(report)
-    assert "law 7" in str(report)
-
-
-# --- every checker fails on a broken harvest -------------------------------------------
-
-def victim(x):
-    a = lh.sow(jnp.sin(x) * x, tag="t", name="a")
-    b = lh.nest(lambda v: lh.sow(jnp.tanh(v) + 1., tag="t", name="b"), scope="s")(a)
-    return jnp.sum(a * b)
-
-
-X = jnp.array([0.3, -1.2, 0.8])
-
-
-def _victim():
-    # A fresh function object per test: no trace cached under a patched rule.
-    return lambda x: victim(x)
-
-
-def _slices():
-    a = lambda x: jnp.sin(x) * x  # noqa: E731
-    return {"a": a, ("s", "b"): lambda x: jnp.tanh(a(x)) + 1.}
-
-
-def _perturb(eps, x):
-    a = jnp.sin(x) * x + eps.get(("a",), 0.)
-    b = jnp.tanh(a) + 1. + eps.get(("s", "b"), 0.)
-    return jnp.sum(a * b)
-
-
-@pytest.fixture
-def tangents_doubled(monkeypatch):
-    """sow's JVP rule reaps twice the tangent (the program's output is right)."""
-    def broken(primals, tangents, *, path, **params):
-        outs = sow_p.bind(*primals, path=path + (PRIMAL,), **params)
-        ts = [_ad.instantiate_zeros(t) for t in tangents]
-        reaped = sow_p.bind(*[2 * t for t in ts], path=path + (JVP,), **params)
-        return outs, [r / 2 for r in reaped]
-    monkeypatch.setitem(_ad.primitive_jvps, sow_p, broken)
-
-
-@pytest.fixture
-def cotangents_doubled(monkeypatch):
-    """sow's transpose reaps twice the cotangent (the gradient is right)."""
-    def broken(cts, *args, path, **params):
-        cts = [_ad.instantiate_zeros(c) for c in cts]
-        path = (path[:-1] if path and path[-1] == JVP else path) + (VJP,)
-        reaped = sow_p.bind(*[2 * c for c in cts], path=path, **params)
-        return [r / 2 for r in reaped]
-    monkeypatch.setitem(_ad.primitive_transposes, sow_p, broken)
-
-
-def test_checkers_pass_on_the_victim():
-    f = _victim()
-    T.check_linearize(f, X, tag="t")
-    T.check_jvp(f, X, tag="t")
-    T.check_jit(f, X, tag="t")
-    T.check_vjp(f, X, tag="t")
-    T.check_roundtrip(f, X, tag="t")
-    T.check_lazy(f, X, tag="t", slices=_slices(), perturb=_perturb)
-    T.check_compute(f, X, tag="t")
-    T.check_nest(f, X, tag="t")
-
-
-def test_law1_checker_catches_wrong_tangents(tangents_doubled):
-    with pytest.raises(AssertionError, match=r"law 1 .*key 'a'.*max abs error"):
-        T.check_linearize(_victim(), X, tag="t")
-
-
-def test_law2_checker_catches_wrong_tangents(tangents_doubled):
-    with pytest.raises(AssertionError, match=r"law 2 .*key \('jvp', 'a'\).*max abs error"):
-        T.check_jvp(_victim(), X, tag="t")
-
-
-def test_law3_checker_catches_ignored_out_axes(monkeypatch):
-    # plain jax.vmap as "lh.vmap": the output follows out_axes, the sites do not.
-    monkeypatch.setattr(lh, "vmap", jax.vmap, raising=False)
-    xb = jnp.stack([X, X * 2.])
-    T.check_vmap(_victim(), xb, tag="t", in_axes=0, out_axes=0)
-    with pytest.raises(AssertionError, match=r"law 3 .*key 'a'.*shapes differ"):
-        T.check_vmap(_victim(), xb, tag="t", in_axes=0, out_axes=-1)
-
-
-def test_law4_checker_catches_a_jit_that_loses_sites():
-    hiding_jit = lambda g: jax.jit(lambda *a: lh.plant(g, tag="t")({}, *a))  # noqa: E731
-    with pytest.raises(AssertionError, match=r"law 4 .*keys differ"):
-        T.check_jit(_victim(), X, tag="t", jit=hiding_jit)
-
-
-def test_law5_checker_catches_wrong_cotangents(cotangents_doubled):
-    with pytest.raises(AssertionError, match=r"law 5 .*\(b\).*key 'a'.*max abs error"):
-        T.check_vjp(_victim(), X, tag="t")
-
-
-def test_law6_checker_catches_a_plant_that_shifts_values(monkeypatch):
-    plant = lh.plant
-
-    def shifted(f, **kw):
-        return lambda plants, *a: plant(f, **kw)(
-            {k: v + 1. for k, v in plants.items()}, *a)
-    monkeypatch.setattr(lh, "plant", shifted)
-    with pytest.raises(AssertionError, match=r"law 6 .*\(output\).*max abs error"):
-        T.check_roundtrip(_victim(), X, tag="t")
-
-
-def test_law7_checker_catches_wrong_lazy_leaves(monkeypatch):
-    getitem = lh.DelayedDict.__getitem__
-
-    def shifted(self, key):
-        v = getitem(self, key)
-        return v if isinstance(v, lh.DelayedDict) else v + 1e-2
-    monkeypatch.setattr(lh.DelayedDict, "__getitem__", shifted)
-    with pytest.raises(AssertionError, match=r"law 7 .*plain keys.*key 'a'.*max abs error"):
-        T.check_lazy(_victim(), X, tag="t", slices=_slices())
-
-
-def test_law7_checker_catches_wrong_tangents(tangents_doubled):
-    with pytest.raises(AssertionError, match=r"law 7 .*jvp keys.*max abs error"):
-        T.check_lazy(_victim(), X, tag="t", slices=_slices())
-
-
-def test_law7_checker_catches_wrong_cotangents(cotangents_doubled):
-    with pytest.raises(AssertionError, match=r"law 7 .*vjp keys.*max abs error"):
-        T.check_lazy(_victim(), X, tag="t", slices=_slices(), perturb=_perturb,
-                     forward=False)
-
-
-def test_law7_checker_catches_a_wrong_recorded_transform(monkeypatch):
-    # a "grad" that records nothing: its derivative keys are missing
-    stack = T.Stack((T.Transform("grad"),))
-    monkeypatch.setattr(lh, "grad", lambda f: jax.grad(f), raising=False)
-    with pytest.raises(AssertionError, match=r"law 7 .*recorded transforms grad.*key"):
-        T.check_lazy(_victim(), X, tag="t", slices=_slices(), stack=stack)
-
-
-def test_law8_checker_catches_a_wrong_compute(monkeypatch):
-    compute = lh.DelayedDict.compute
-
-    def scaled(self, *keys):
-        return jax.tree_util.tree_map(lambda v: v * 1.01, compute(self, *keys))
-    monkeypatch.setattr(lh.DelayedDict, "compute", scaled)
-    with pytest.raises(AssertionError, match=r"law 8 .*key .*max abs error"):
-        T.check_compute(_victim(), X, tag="t")
-
-
-def test_law9_checker_catches_a_nest_that_drops_the_scope(monkeypatch):
-    monkeypatch.setattr(lh, "nest", lambda f, *, scope: f)
-    with pytest.raises(AssertionError, match=r"law 9 .*keys differ"):
-        T.check_nest(_victim(), X, tag="t")
-
-
-def test_check_all_reports_every_failing_law(tangents_doubled):
-    with pytest.raises(AssertionError) as info:
-        T.check_all(_victim(), X, tag="t", slices=_slices())
-    text = str(info.value)
-    assert "law 1 " in text and "law 2 " in text and "law 7 " in text
-
-
 # --- where SPEC's statement is narrowed (docs/laws.md) ---------------------------------
 
 def test_narrowed_constant_sites_have_no_derivative_keys():
@@ -573,47 +319,7 @@ def test_narrowed_plain_jax_vmap_is_not_a_law():
     with pytest.raises(AssertionError, match=r"law 3 .*key 'p'.*shapes differ"):
         T.check_vmap(f, xb, tag="t", vmap=jax.vmap)
     with pytest.raises(AssertionError, match=r"law 3 .*shapes differ"):
-        T.check_vmap(_victim(), jnp.stack([X, X]), tag="t", out_axes=-1, vmap=jax.vmap)
-
-
-# --- docs/laws.md ---------------------------------------------------------------------
-
-def test_docs_examples():
-    """Every ```python block of docs/laws.md runs, in order, in one namespace."""
-    import pathlib
-    import re
-    text = (pathlib.Path(__file__).parent.parent / "docs" / "laws.md").read_text()
-    blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
-    assert len(blocks) >= 12
-    namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, "docs/laws.md", "exec"), namespace)  # noqa: S102
-
-
-# --- the module without pytest or hypothesis ------------------------------------------
-
-def test_module_imports_without_pytest_and_hypothesis():
-    code = textwrap.dedent("""
-        import sys
-        sys.modules["pytest"] = None
-        sys.modules["hypothesis"] = None
-        sys.modules["hypothesis.strategies"] = None
-        import jax.numpy as jnp
-        import lazyharvest as lh
-        from lazyharvest.testing import check_all, programs
-        f = lambda x: jnp.sum(lh.sow(jnp.sin(x), tag="t", name="s") ** 2)
-        print(check_all(f, jnp.arange(3.), tag="t", laws=(4, 6, 8, 9)))
-        try:
-            programs()
-        except ImportError as e:
-            print("ImportError:", e)
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "law 4 (reap∘jit = reap): passed" in out.stdout
-    assert "ImportError: lazyharvest.testing: the random-program strategies need " \
-           "hypothesis" in out.stdout
+        T.check_vmap(fresh_victim(), jnp.stack([X, X]), tag="t", out_axes=-1, vmap=jax.vmap)
 
 
 # --- regressions: partial evaluation lost or hoisted sites ------------------------------

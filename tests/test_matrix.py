@@ -9,10 +9,10 @@ w.r.t. `eps`), tangents and plants are all checked against it.
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import close
 from jax import lax
 
 import lazyharvest as lh
+from helpers import close
 
 sow = lh.sow
 

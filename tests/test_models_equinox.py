@@ -10,9 +10,9 @@ eqx = pytest.importorskip("equinox")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from helpers import close  # noqa: E402
 
 import lazyharvest as lh  # noqa: E402
+from helpers import close  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T = "act"

@@ -12,9 +12,9 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
-from helpers import close  # noqa: E402
 
 import lazyharvest as lh  # noqa: E402
+from helpers import close  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T = "act"

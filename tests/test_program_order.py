@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import close
 from jax import lax
 
 import lazyharvest as lh
+from helpers import close
 
 POLICIES = {
     "default": None,

@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import close
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lazyharvest as lh
+from helpers import close
 
 sow = lh.sow
 

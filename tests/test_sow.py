@@ -6,10 +6,10 @@ from contextlib import redirect_stdout
 import jax
 import jax.ad_checkpoint
 import jax.numpy as jnp
-from helpers import close
 from jax import lax
 
 import lazyharvest as lh
+from helpers import close
 from lazyharvest.primitive import harvesting, sow_p
 
 sow = lh.sow

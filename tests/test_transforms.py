@@ -4,10 +4,10 @@
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import close
 from jax import lax
 
 import lazyharvest as lh
+from helpers import close
 
 sow = lh.sow
 

@@ -36,6 +36,7 @@ from lazyharvest._interpreter.sites import (
     contains_sites,
     count_occurrences,
     describe,
+    jaxpr_has_sites,
     raw_key,
     sub_jaxprs,
 )
@@ -43,7 +44,7 @@ from lazyharvest._interpreter.sites import (
 __all__ = [
     "ANY_TAG", "COUNT_RULES", "EVAL_RULES", "Body", "Counts", "Harvest", "Plant",
     "PlantOperands", "RawKey", "Record", "Run", "Site", "add_counts", "bind",
-    "contains_sites", "count_occurrences", "describe", "finish", "invar_avals",
+    "contains_sites", "count_occurrences", "describe", "jaxpr_has_sites", "finish", "invar_avals",
     "merge", "per_site", "raw_key", "split_list", "strip_all_sites", "strip_sites",
     "sub_jaxprs", "trace_body", "zeros",
 ]

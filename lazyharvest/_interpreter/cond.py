@@ -1,7 +1,11 @@
 """The rule for `cond`/`switch`: the taken branch's sites.
 
 Every branch is re-traced with its sites as extra outputs, in one order, so
-`cond` selects them like any output.
+`cond` selects them like any output. The sites of a cond are the union over
+its branches. A `"clobber"` site that some branch does not sow keeps the
+value it had before the cond (zeros if none): that value enters the cond as
+an operand and such a branch outputs it unchanged. `"append"` and `"strict"`
+sites must be sown alike in every branch.
 """
 
 from __future__ import annotations
@@ -11,42 +15,85 @@ import jax
 from lazyharvest import _jax
 from lazyharvest._interpreter.plumbing import (
     Body,
-    finish,
+    incoming,
     invar_avals,
+    merge,
     per_site,
     split_list,
     trace_body,
 )
-from lazyharvest._interpreter.run import EVAL_RULES, Run, bind
-from lazyharvest._interpreter.sites import Harvest, describe
+from lazyharvest._interpreter.run import EVAL_RULES, Run, Site, bind
+from lazyharvest._interpreter.sites import Harvest
 from lazyharvest.errors import HarvestError
 
 
-def _check_same_sites(h: Harvest, bodies: list[Body]) -> None:
-    sig = lambda b: {s.key: (s.mode, s.tree, s.avals) for s in b.sites}
-    ref = sig(bodies[0])
-    for i, b in enumerate(bodies[1:], 1):
-        other = sig(b)
-        if other == ref:
+def branch_name(i: int, n: int) -> str:
+    """How the user wrote branch `i` of `n`."""
+    if n == 2:
+        return f"branch {i} (the {'true' if i else 'false'}_fun of lax.cond)"
+    return f"branch {i} of lax.switch"
+
+
+def _shapes(s: Site) -> list:
+    return [(a.shape, a.dtype) for a in s.avals]
+
+
+def union_sites(h: Harvest, sites: list[list[Site]]) -> list[Site]:
+    """The sites of a cond whose branches sow `sites[i]`, in first-seen order.
+
+    `"clobber"` sites may be missing from some branches; every branch that
+    sows one must agree on its structure, shapes and dtypes. `"append"` and
+    `"strict"` sites must be sown alike in every branch.
+    """
+    n = len(sites)
+    first: dict = {}  # key -> (branch, Site)
+    for i, ss in enumerate(sites):
+        for s in ss:
+            j, ref = first.setdefault(s.key, (i, s))
+            if j == i:
+                continue
+            if s.mode != ref.mode:
+                raise HarvestError(
+                    f"{h.where(s.key)}: sown with mode {ref.mode!r} in "
+                    f"{branch_name(j, n)} and with mode {s.mode!r} in "
+                    f"{branch_name(i, n)}. The branches of lax.cond/switch must "
+                    f"sow the same names with the same modes: use one mode for "
+                    f"every sow of a name.")
+            if s.tree != ref.tree or _shapes(s) != _shapes(ref):
+                raise HarvestError(
+                    f"{h.where(s.key)}: {branch_name(j, n)} and "
+                    f"{branch_name(i, n)} sow it with different structures, "
+                    f"shapes or dtypes ({_shapes(ref)} vs {_shapes(s)}). The "
+                    f"site holds the taken branch's value: the branches of "
+                    f"lax.cond/switch must sow the same names with the same "
+                    f"shapes and dtypes.")
+    for key, (j, ref) in first.items():
+        if ref.mode == "clobber":
             continue
-        names = sorted(set(ref) ^ set(other), key=str)
-        diff = [describe(k) for k in names] or [
-            describe(k) for k in ref if ref[k] != other.get(k)]
-        raise HarvestError(
-            f"harvest of tag {h.tag!r}: the branches of lax.cond/switch sow "
-            f"different sites (branch 0 vs branch {i} differ in "
-            f"{', '.join(diff)}: names, modes, shapes or dtypes). Sow the "
-            f"same names with the same shapes and dtypes in every branch.")
+        for i, ss in enumerate(sites):
+            if all(s.key != key for s in ss):
+                raise HarvestError(
+                    f"{h.where(key)}: mode={ref.mode!r} is sown in "
+                    f"{branch_name(j, n)} but not in {branch_name(i, n)}. The "
+                    f"branches of lax.cond/switch must sow the same names with "
+                    f"the same shapes and dtypes for mode='strict' and "
+                    f"mode='append' sites; use mode='clobber' for a site only "
+                    f"some branches sow (the others keep its earlier value).")
+    return [ref for _, ref in first.values()]
 
 
-def _branch(b: Body, i: int, const_sizes: list[int], order: list,
-            in_avals: list) -> _jax.ClosedJaxpr:
-    """Branch `i` taking every branch's consts, its sites output in `order`."""
+def _branch(b: Body, i: int, const_sizes: list[int], order: list[Site],
+            passed: list[Site], in_avals: list) -> _jax.ClosedJaxpr:
+    """Branch `i` taking every branch's consts, then the earlier values of
+    `passed`; it outputs its sites in `order`, an earlier value where it does
+    not sow one."""
     def fn(*args):
-        chunks = split_list(args, const_sizes)
-        outs, leaves = b.split_outs(_jax.eval_jaxpr(b.jaxpr, (), *chunks[i], *chunks[-1]))
-        per = dict(zip([s.key for s in b.sites], per_site(b.sites, leaves)))
-        return [*outs, *[x for k in order for x in per[k]]]
+        *chunks, through, ops = split_list(
+            args, [*const_sizes, sum(len(s.avals) for s in passed)])
+        outs, leaves = b.split_outs(_jax.eval_jaxpr(b.jaxpr, (), *chunks[i], *ops))
+        per = dict(zip([s.key for s in passed], per_site(passed, through)))
+        per.update(zip([s.key for s in b.sites], per_site(b.sites, leaves)))
+        return [*outs, *[x for s in order for x in per[s.key]]]
     jaxpr, consts = _jax.trace_flat(fn, in_avals)
     assert not consts
     return _jax.ClosedJaxpr(jaxpr, ())
@@ -57,15 +104,25 @@ def _cond(run: Run, eqn: _jax.JaxprEqn, invals: list, *, branches, **_) -> list:
     avals = invar_avals(branches[0].jaxpr)
     traced = [trace_body(run, b.jaxpr, b.consts, avals) for b in branches]
     bodies = [b for b, _ in traced]
-    _check_same_sites(run.harvest, bodies)
+    order = union_sites(run.harvest, [b.sites for b in bodies])
+    passed = [s for s in order
+              if any(all(t.key != s.key for t in b.sites) for b in bodies)]
+    through = [x for s in passed for x in incoming(run, s)]
     all_consts = [c for b in bodies for c in b.consts]
     sizes = [len(b.consts) for b in bodies]
-    in_avals = [jax.typeof(c) for c in all_consts] + avals
-    order = [s.key for s in bodies[0].sites]
-    new_branches = tuple(_branch(b, i, sizes, order, in_avals)
+    in_avals = [jax.typeof(c) for c in [*all_consts, *through]] + avals
+    new_branches = tuple(_branch(b, i, sizes, order, passed, in_avals)
                          for i, b in enumerate(bodies))
-    outs = bind(eqn, [index, *all_consts, *ops], dict(eqn.params, branches=new_branches))
-    return finish(run, bodies[0], outs, traced[0][1])
+    outs = bind(eqn, [index, *all_consts, *through, *ops],
+                dict(eqn.params, branches=new_branches))
+    n_out = bodies[0].n_out
+    merge(run, order, outs[n_out:])
+    # Append sites are sown alike in every branch; a planted clobber site
+    # counts as often as the branch that sows it most (`count_occurrences`).
+    for _body, branch_run in traced:
+        for k, n in branch_run.cursor.items():
+            run.cursor[k] = max(run.cursor.get(k, 0), n)
+    return list(outs[:n_out])
 
 
 EVAL_RULES[_jax.cond_p] = _cond

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from lazyharvest import _jax
 from lazyharvest._interpreter.plumbing import PlantOperands, strip_sites
@@ -30,6 +31,31 @@ def _custom(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call_jaxpr, **_) -> l
 
 EVAL_RULES[_jax.custom_jvp_call_p] = _custom
 EVAL_RULES[_jax.custom_vjp_call_p] = _custom
+
+
+def _custom_vmap(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call, **_) -> list:
+    """`custom_vmap`: reaped from an inline copy; the user's batching rule stays
+    for the outputs. A planted call runs its planted body inline (the rule, a
+    statement about the unplanted function, no longer applies)."""
+    counts = count_occurrences(call.jaxpr, run.harvest)
+    if any(k in run.plants for k in counts):
+        return run.eval(call.jaxpr, call.consts, invals)
+    if any(run.want(k) for k in counts):
+        run.eval(call.jaxpr, call.consts, invals)
+    return bind(eqn, invals, dict(eqn.params, call=strip_sites(run, call)))
+
+
+EVAL_RULES[_jax.custom_vmap_p] = _custom_vmap
+
+
+def _remat_opt(run: Run, eqn: _jax.JaxprEqn, invals: list, *, fwd_jaxpr, **_) -> list:
+    """The forward of a `custom_vjp(optimize_remat=True)`, once differentiated:
+    evaluated inline under a harvest (same values and derivatives; the harvested
+    program does not get the remat optimization)."""
+    return run.eval(fwd_jaxpr.jaxpr, fwd_jaxpr.consts, invals)
+
+
+EVAL_RULES[_jax.remat_opt_p] = _remat_opt
 
 
 def _custom_planted(run: Run, eqn: _jax.JaxprEqn, invals: list,
@@ -57,34 +83,56 @@ def _custom_planted(run: Run, eqn: _jax.JaxprEqn, invals: list,
     stripped = dict(eqn.params, call_jaxpr=strip_sites(run, closed))
     original = lambda *xs: bind(eqn, list(xs), stripped)
     primal = lambda *a: planted(*a)[0]
+    # The leading `num_consts` operands are values the user's function closes
+    # over: like the plants, they are operands the user's rule does not
+    # differentiate.
+    n_c = eqn.params.get("num_consts", 0)
     if eqn.primitive is _jax.custom_jvp_call_p:
-        fun = _with_jvp_of(original, primal, n_in)
+        fun = _with_jvp_of(original, primal, n_c, n_in)
     else:
-        fun = _with_vjp_of(original, primal, n_in)
+        fun = _with_vjp_of(original, primal, n_c, n_in)
     return list(fun(*invals, *ops.leaves))
 
 
-def _with_jvp_of(original: Callable, primal: Callable, n_in: int) -> Callable:
-    """`primal(*xs, *plants)` whose JVP is `original`'s in `xs` (plants: zero)."""
+def _with_jvp_of(original: Callable, primal: Callable, n_c: int, n_in: int) -> Callable:
+    """`primal(*consts, *xs, *plants)` whose JVP is `original`'s in `xs`
+    (consts and plants: zero)."""
     fun = jax.custom_jvp(primal)
 
     def jvp(primals, tangents):
-        _, t_out = jax.jvp(original, primals[:n_in], tangents[:n_in])
+        consts = primals[:n_c]
+        _, t_out = jax.jvp(lambda *xs: original(*consts, *xs),
+                           primals[n_c:n_in], tangents[n_c:n_in])
         return primal(*primals), t_out
     fun.defjvp(jvp)
     return fun
 
 
-def _with_vjp_of(original: Callable, primal: Callable, n_in: int) -> Callable:
-    """`primal(*xs, *plants)` whose VJP is `original`'s in `xs` (plants: zero)."""
+def _with_vjp_of(original: Callable, primal: Callable, n_c: int, n_in: int) -> Callable:
+    """`primal(*consts, *xs, *plants)` whose VJP is `original`'s in the `xs` that
+    are perturbed (consts, plants and unperturbed inputs get none: libraries
+    such as Equinox check that their non-differentiated inputs stay so)."""
     fun = jax.custom_vjp(primal)
 
     def fwd(*a: Any):
-        _, vjp = jax.vjp(original, *a[:n_in])
-        return primal(*a), (vjp, a[n_in:])
+        vals = [x.value for x in a]
+        idx = [i for i in range(n_c, n_in) if a[i].perturbed]
+
+        def part(*ps: Any) -> Any:
+            full = list(vals[:n_in])
+            for i, p in zip(idx, ps):
+                full[i] = p
+            return original(*full)
+        _, vjp = jax.vjp(part, *[vals[i] for i in idx])
+        return primal(*vals), (vjp, idx, len(vals))
 
     def bwd(res, cts):
-        vjp, ps = res
-        return (*vjp(list(cts)), *[jnp.zeros_like(q) for q in ps])
-    fun.defvjp(fwd, bwd)
+        vjp, idx, n = res
+        cts = [jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c
+               for c in cts]
+        out: list = [None] * n
+        for i, g in zip(idx, vjp(list(cts))):
+            out[i] = g
+        return tuple(out)
+    fun.defvjp(fwd, bwd, symbolic_zeros=True)
     return fun

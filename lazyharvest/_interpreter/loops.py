@@ -1,9 +1,15 @@
 """Rules for loops: `scan` stacks or carries its sites, `while` carries them.
 
 In a `scan`, a `"clobber"` site becomes an extra carry (the value at the
-highest index), an `"append"` site an extra stacked output (one row per sow,
-in iteration order). In a `while_loop` only `"clobber"` is allowed: the
-number of iterations is unknown.
+highest index that sowed it), an `"append"` site an extra stacked output (one
+row per sow, in iteration order). In a `while_loop` only `"clobber"` is
+allowed: the number of iterations is unknown.
+
+A clobber carry starts from the value the site had before the loop (zeros if
+none), and each iteration's body starts from the carry (`trace_body(seeds=)`;
+so the body is traced twice: once to find its sites, once with them seeded).
+A loop that runs zero times, or an iteration that does not sow the site (a
+cond branch, an inner loop that does not run), passes the value on.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ import numpy as np
 from lazyharvest import _jax
 from lazyharvest._interpreter.plumbing import (
     Body,
+    incoming,
     invar_avals,
     merge,
+    merge_leading,
     per_site,
     split_list,
     trace_body,
@@ -30,7 +38,9 @@ from lazyharvest._interpreter.run import (
     ScanReplay,
     Site,
     bind,
+    is_sown,
     runs_backward,
+    sown_key,
 )
 from lazyharvest._interpreter.sites import (
     Counts,
@@ -100,7 +110,7 @@ class _ScanPlants:
         return [jnp.zeros((self.length, *jnp.shape(x)), x.dtype).at[self.length - 1].set(x)
                 for x in pl.leaves]
 
-    def body_run(self, extra: list) -> Run:
+    def body_run(self, extra: list, track_sown: bool | None = None) -> Run:
         run = self.run
         plants = {k: p for k, p in run.plants.items() if k not in self.dropped}
         replay_plants = dict(run.replay_plants)
@@ -112,7 +122,8 @@ class _ScanPlants:
         for (pair, n_it), leaves in zip(self.pairs, chunks[len(self.keys):]):
             replay_plants[pair] = attrs.evolve(_plant_of(run, pair), leaves=leaves,
                                                count=n_it)
-        return run.nested(plants, {}, replays={p: list(e) for p, e in self.replays.items()},
+        return run.nested(plants, {}, track_sown=track_sown,
+                          replays={p: list(e) for p, e in self.replays.items()},
                           replay_plants=replay_plants)
 
     def done(self, inner: Run) -> None:
@@ -154,22 +165,41 @@ def _check_scan_modes(h: Harvest, body: Body) -> None:
 
 
 def _scan_body(body: Body, clob: list[Site], app: list[Site], sizes: list[int],
-               keep_first: bool):
+               flags: dict | None, any_flag: bool):
     """`(consts', consts, carry, clobber carry, xs, plant xs)
-    -> (carry, clobber carry, ys, appended)` around the re-traced body."""
+    -> (carry, clobber carry, ys, appended)` around the re-traced body.
+
+    The clobber carry seeds the body's run, so an iteration that does not sow
+    a site passes its value on. In a reverse scan (`flags` given) the value
+    kept is the one at the highest index that sowed, the first one seen: a
+    site `k` with a flag `sown_key(k)` among `clob` keeps its value once the
+    flag is set; one without (sown by code that keeps no flag) once
+    `any_flag`, the last carry, says an iteration ran.
+    """
     ncarry = sizes[2]
+    n_clob = sum(len(s.avals) for s in clob)
     keys = [s.key for s in body.sites]
+    reverse = flags is not None
 
     def new_body(*args):
         c0, c1, carry, old, xs, pxs, _rest = split_list(args, sizes)
         outs, leaves = body.split_outs(
-            _jax.eval_jaxpr(body.jaxpr, (), *c0, *c1, *carry, *xs, *pxs))
+            _jax.eval_jaxpr(body.jaxpr, (), *c0, *c1, *carry, *xs, *pxs, *old[:n_clob]))
         per = dict(zip(keys, per_site(body.sites, leaves)))
-        new_clob = [x for s in clob for x in per[s.key]]
-        if keep_first:  # reverse scan: the first value seen has the highest index
-            seen = old[-1]
-            new_clob = [jnp.where(seen, o, n) for o, n in zip(old[:-1], new_clob)]
-            new_clob.append(jnp.ones((), bool))
+        if not reverse:
+            new_clob = [x for s in clob for x in per[s.key]]
+        else:
+            was = dict(zip(keys, per_site(clob, old[:n_clob])))
+            new_clob = []
+            for s in clob:
+                if is_sown(s.key):  # set once an iteration sows the site
+                    new_clob += per[s.key]
+                    continue
+                flag = flags.get(s.key)
+                seen = old[-1] if flag is None else was[flag][0]
+                new_clob += [jnp.where(seen, o, n) for o, n in zip(was[s.key], per[s.key])]
+            if any_flag:
+                new_clob.append(jnp.ones((), bool))
         new_app = [x for s in app for x in per[s.key]]
         return [*outs[:ncarry], *new_clob, *outs[ncarry:], *new_app]
     return new_body
@@ -182,20 +212,31 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, length,
     plant_xs = plan.xs
     body_avals = invar_avals(jaxpr.jaxpr)
     xs_avals = [jax.typeof(x).update(shape=x.shape[1:]) for x in plant_xs]
+    # A reverse scan tracks which iterations sow each clobber site (`sown_key`).
+    make_run = lambda extra: plan.body_run(extra, track_sown=True if reverse else None)
     body, inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts, body_avals + xs_avals,
-                             plan.body_run, len(plant_xs))
-    plan.done(inner)
+                             make_run, len(plant_xs))
     _check_scan_modes(run.harvest, body)
     clob = [s for s in body.sites if s.mode == "clobber"]
+    if clob:  # again, with the clobber carry as the sites' earlier values
+        body, inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts, body_avals + xs_avals,
+                                 make_run, len(plant_xs), seeds=clob)
+        assert [s.key for s in body.sites[:len(clob)]] == [s.key for s in clob]
+        clob = body.sites[:len(clob)]
+    plan.done(inner)
     app = [s for s in body.sites if s.mode == "append"]
     n_clob = sum(len(s.avals) for s in clob)
-    keep_first = bool(reverse and clob)
+    flags, any_flag = None, False
+    if reverse:
+        keys = {s.key for s in clob}
+        flags = {s.key: sown_key(s.key) for s in clob if sown_key(s.key) in keys}
+        any_flag = any(s.key not in flags and not is_sown(s.key) for s in clob)
     clob_avals = [a for s in clob for a in s.avals]
-    clob_avals += [jax.typeof(np.bool_(False))] * keep_first
+    clob_avals += [jax.typeof(np.bool_(False))] * any_flag
     nb, n_xs = len(body.consts), len(body_avals) - num_consts - num_carry
     sizes = [nb, num_consts, num_carry, len(clob_avals), n_xs, len(plant_xs)]
     new_jaxpr, consts = _jax.trace_flat(
-        _scan_body(body, clob, app, sizes, keep_first),
+        _scan_body(body, clob, app, sizes, flags, any_flag),
         [jax.typeof(c) for c in body.consts] + body_avals[:num_consts + num_carry]
         + clob_avals + body_avals[num_consts + num_carry:] + xs_avals)
     assert not consts
@@ -206,16 +247,27 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, length,
         params["linear"] = ((False,) * nb + lin[:num_consts + num_carry]
                             + (False,) * len(clob_avals) + lin[num_consts + num_carry:]
                             + (False,) * len(plant_xs))
+    # The clobber carry starts from the sites' earlier values (a scan of
+    # length 0 keeps them); a reverse scan's flags start unset.
+    init = [x for s in clob for x in (
+        zeros(s.avals) if reverse and is_sown(s.key) else incoming(run, s))]
+    init += [np.bool_(False)] * any_flag
     consts_in, carry_in, xs_in = split_list(invals, [num_consts, num_carry])
-    outs = bind(eqn, [*body.consts, *consts_in, *carry_in, *zeros(clob_avals),
+    outs = bind(eqn, [*body.consts, *consts_in, *carry_in, *init,
                       *xs_in, *plant_xs], params)
     n_app = sum(len(s.avals) for s in app)
     carry_out, clob_out, ys, app_out = split_list(
         outs, [num_carry, len(clob_avals), len(outs) - num_carry - len(clob_avals) - n_app])
-    merge(run, clob, clob_out[:n_clob])
+    for s, leaves in zip(clob, per_site(clob, clob_out[:n_clob])):
+        if reverse and is_sown(s.key):
+            if run.track_sown:  # sown here, or before the scan
+                before = incoming(run, s)[0]
+                run.record(s.key, s.mode, s.tree, [leaves[0] | before])
+            continue
+        run.record(s.key, s.mode, s.tree, leaves)
     for s, leaves in zip(app, per_site(app, app_out)):
         # (length, n per iteration, ...) -> (length * n, ...), by iteration index
-        run.record(s.key, "append", s.tree, [x.reshape(-1, *x.shape[2:]) for x in leaves])
+        run.record(s.key, "append", s.tree, [merge_leading(x) for x in leaves])
     return [*carry_out, *ys]
 
 
@@ -234,38 +286,47 @@ def _check_while_modes(h: Harvest, body: Body) -> None:
 def _while(run: Run, eqn: _jax.JaxprEqn, invals: list, *, cond_jaxpr, body_jaxpr,
            cond_nconsts, body_nconsts, **_) -> list:
     cond_c, body_c, init = split_list(invals, [cond_nconsts, body_nconsts])
-    body, _inner = trace_body(run, body_jaxpr.jaxpr, body_jaxpr.consts,
-                         invar_avals(body_jaxpr.jaxpr))
+    body_avals = invar_avals(body_jaxpr.jaxpr)
+    body, _inner = trace_body(run, body_jaxpr.jaxpr, body_jaxpr.consts, body_avals,
+                              lambda extra: run.nested())
     _check_while_modes(run.harvest, body)
+    sites = body.sites
+    if sites:  # again, with the site carry as the sites' earlier values
+        body, _inner = trace_body(run, body_jaxpr.jaxpr, body_jaxpr.consts, body_avals,
+                                  lambda extra: run.nested(), seeds=sites)
+        assert [s.key for s in body.sites] == [s.key for s in sites]
     # Sites in the loop condition are not reaped: the condition returns only a
     # predicate. They are consumed (identity) like filtered sites.
     cond, _inner = trace_body(run.nested(), cond_jaxpr.jaxpr, cond_jaxpr.consts,
                          invar_avals(cond_jaxpr.jaxpr))
     site_avals = [a for s in body.sites for a in s.avals]
     nb, ncc, ncarry = len(body.consts), len(cond.consts), len(init)
-    carry_avals = invar_avals(body_jaxpr.jaxpr)[body_nconsts:] + site_avals
+    carry_avals = body_avals[body_nconsts:] + site_avals
 
     def new_cond(*args):
         c, carry, _rest = split_list(args, [ncc + cond_nconsts, ncarry])
         return _jax.eval_jaxpr(cond.jaxpr, (), *c, *carry)[:1]
 
     def new_body(*args):
-        c, carry, _rest = split_list(args, [nb + body_nconsts, ncarry])
-        return _jax.eval_jaxpr(body.jaxpr, (), *c, *carry)
+        # The body's last inputs are its sites' values from the last iteration.
+        return _jax.eval_jaxpr(body.jaxpr, (), *args)
 
     cjaxpr, k1 = _jax.trace_flat(
         new_cond, [jax.typeof(c) for c in cond.consts]
         + invar_avals(cond_jaxpr.jaxpr)[:cond_nconsts] + carry_avals)
     bjaxpr, k2 = _jax.trace_flat(
         new_body, [jax.typeof(c) for c in body.consts]
-        + invar_avals(body_jaxpr.jaxpr)[:body_nconsts] + carry_avals)
+        + body_avals[:body_nconsts] + carry_avals)
     assert not k1 and not k2
     params = dict(eqn.params, cond_jaxpr=_jax.ClosedJaxpr(cjaxpr, ()),
                   body_jaxpr=_jax.ClosedJaxpr(bjaxpr, ()),
                   cond_nconsts=ncc + cond_nconsts, body_nconsts=nb + body_nconsts)
+    # The site carry starts from the sites' earlier values: a loop whose body
+    # never runs keeps them, and so does a nested loop.
+    earlier = [x for s in body.sites for x in incoming(run, s)]
     outs = bind(eqn, [*cond.consts, *cond_c, *body.consts, *body_c, *init,
-                      *zeros(site_avals)], params)
-    merge(run, body.sites, outs[ncarry:])
+                      *earlier], params)
+    merge(run, body.sites, outs[ncarry:], replace=True)
     return outs[:ncarry]
 
 

@@ -5,6 +5,11 @@ come out as extra outputs after its own (`Body`). Plants the body needs travel
 in as explicit operands (`PlantOperands`), so a body never closes over a
 planted value: loops can slice them per iteration, `shard_map` can shard them,
 custom rules can treat them as constants.
+
+A `"clobber"` site that a body may leave unsown (a `cond` branch that does
+not sow it, a loop that runs zero times) keeps the value it had before the
+body: `incoming` finds it (zeros if none), and a loop seeds its body's run
+with the value carried from the previous iteration (`trace_body(seeds=...)`).
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
+import jax
 import jax.numpy as jnp
 
 from lazyharvest import _jax
-from lazyharvest._interpreter.run import Plant, Run, Site
+from lazyharvest._interpreter.run import Plant, Record, Run, Site
 from lazyharvest._interpreter.sites import RawKey
 
 
@@ -37,14 +43,61 @@ def per_site(sites: Sequence[Site], leaves: Sequence[Any]) -> list[list]:
     return chunks
 
 
-def merge(run: Run, sites: Sequence[Site], leaves: Sequence[Any]) -> None:
-    """Records the site leaves a body returned into `run`."""
+def merge(run: Run, sites: Sequence[Site], leaves: Sequence[Any],
+          replace: bool = False) -> None:
+    """Records the site leaves a body returned into `run`.
+
+    With `replace`, a body that started from the sites' earlier values (a
+    `while_loop`, which no backward pass runs) replaces their records, even
+    those of sites evaluated backward (`runs_backward`): each iteration ran
+    its own backward pass, after the ones before the loop.
+    """
     for s, ls in zip(sites, per_site(sites, leaves)):
+        old = run.records.get(s.key)
+        if replace and old is not None and s.mode == "clobber":
+            old.seeded = True
         run.record(s.key, s.mode, s.tree, ls)
+
+
+def merge_leading(x: Any) -> Any:
+    """(a, b, ...) -> (a * b, ...): stacked appends, row order kept (sizes may be 0)."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 def zeros(avals: Sequence[Any]) -> list:
     return [jnp.zeros(a.shape, a.dtype) for a in avals]
+
+
+def lookup(run: Run | None, key: RawKey) -> Record | None:
+    """The record of `key` in `run` or, failing that, in the runs around it."""
+    while run is not None:
+        r = run.records.get(key)
+        if r is not None:
+            return r
+        run = run.parent
+    return None
+
+
+def incoming(run: Run, site: Site) -> list:
+    """The leaves `site` holds before a body that may not sow it runs.
+
+    Its `"clobber"` value so far (in `run` or the runs it inherits from) when
+    that has the site's structure, shapes and dtypes; zeros otherwise.
+    """
+    r = lookup(run, site.key)
+    if r is not None and r.mode == "clobber" and r.tree == site.tree:
+        leaves = r.leaves()
+        if [(jax.typeof(x).shape, jax.typeof(x).dtype) for x in leaves] == [
+                (a.shape, a.dtype) for a in site.avals]:
+            return leaves
+    return zeros(site.avals)
+
+
+def seed(run: Run, sites: Sequence[Site], leaves: Sequence[Any]) -> Run:
+    """`run` with `sites` holding `leaves` as if sown before the body."""
+    for s, ls in zip(sites, per_site(sites, leaves)):
+        run.records[s.key] = Record(s.mode, s.tree, [list(ls)], seeded=True)
+    return run
 
 
 def invar_avals(jaxpr: _jax.Jaxpr) -> list:
@@ -99,17 +152,24 @@ class Body:
 
 def trace_body(run: Run, jaxpr: _jax.Jaxpr, consts: Sequence[Any],
                in_avals: Sequence[Any], make_run: Callable[[list], Run] | None = None,
-               n_extra: int = 0) -> tuple[Body, Run]:
+               n_extra: int = 0, seeds: Sequence[Site] = ()) -> tuple[Body, Run]:
     """Re-traces `jaxpr` with a nested run; sites come out as extra outputs.
 
     With `make_run`, the traced function takes `n_extra` more inputs after
-    the body's own and builds the nested run from them (plants as operands).
+    the body's own and builds the nested run from them (plants as operands);
+    without it, the nested run inherits `run`'s records as earlier values.
+    With `seeds`, it takes one more input per seed leaf, last: the seeds'
+    values before the body (a loop's carry), which the body's sites output
+    where the body does not sow them. The seeds come first among its sites.
     """
     holder: dict = {}
+    n_seed = sum(len(s.avals) for s in seeds)
+    in_avals = [*in_avals, *(a for s in seeds for a in s.avals)]
 
     def fn(*args):
-        own, extra = args[:len(args) - n_extra], args[len(args) - n_extra:]
-        inner = make_run(list(extra)) if make_run else run.nested()
+        own, extra, seeded = split_list(args, [len(args) - n_extra - n_seed, n_extra])
+        inner = make_run(list(extra)) if make_run else run.nested(inherit=True)
+        seed(inner, seeds, seeded)
         outs = inner.eval(jaxpr, consts, own)
         holder["run"] = inner
         holder["sites"] = inner.sites()

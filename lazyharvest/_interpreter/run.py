@@ -21,7 +21,7 @@ from lazyharvest import _jax
 from lazyharvest._interpreter.sites import Harvest, RawKey, contains_sites, raw_key
 from lazyharvest.errors import HarvestError
 from lazyharvest.keys import VJP, Label
-from lazyharvest.primitive import sow_p
+from lazyharvest.primitive import active_tags, sow_p
 
 
 def runs_backward(key: RawKey) -> bool:
@@ -58,11 +58,31 @@ class Record:
     mode: str
     tree: Any
     chunks: list  # strict/clobber: [leaves]; append: list of stacked leaves
+    # A value from before the body (`plumbing.seed`, `merge(replace=True)`):
+    # the next sow replaces it, even where a clobber record keeps its first
+    # contribution.
+    seeded: bool = False
 
     def leaves(self) -> list:
         if self.mode != "append" or len(self.chunks) == 1:
             return list(self.chunks[-1])
         return [jnp.concatenate(parts, axis=0) for parts in zip(*self.chunks)]
+
+
+SOWN = "sown?"  # the last path entry of a flag's key, unlike any level or label
+
+
+def sown_key(key: RawKey) -> RawKey:
+    """The key of the flag "site `key` was sown" (recorded with `track_sown`)."""
+    path, scopes, name = key
+    return (path + (SOWN,), scopes, name)
+
+
+def is_sown(key: RawKey) -> bool:
+    return bool(key[0]) and key[0][-1] == SOWN
+
+
+_LEAF = jax.tree_util.tree_structure(0)
 
 
 @attrs.define
@@ -76,7 +96,8 @@ class Plant:
 
     leaves: list
     mode: str
-    additive: bool
+    additive: bool  # a cotangent site: added where the reaped value was sown
+    add: bool = False  # plant(mode="add"): added to the site at every sow
     count: int = 0
 
     def row(self, done: int, backward: bool) -> int:
@@ -111,8 +132,12 @@ class Run:
                  plants: dict[RawKey, Plant] | None = None,
                  cursor: dict[RawKey, int] | None = None,
                  keep_other_tags: bool = True, abstract: bool = False,
+                 pass_through: bool = False, parent: Run | None = None,
+                 track_sown: bool = False,
                  replays: dict | None = None, replay_plants: dict | None = None):
         self.harvest = harvest
+        self.parent = parent
+        self.track_sown = track_sown
         # An abstract run only learns the sites' avals: derivative leaves of
         # recorded transforms get placeholders of the right aval, not traces.
         self.abstract = abstract
@@ -120,6 +145,9 @@ class Run:
         self.plants = plants or {}
         self.cursor = dict(cursor or {})
         self.keep_other_tags = keep_other_tags and not harvest.exclusive
+        # A plant consumes only the sites it plants; the others stay sites,
+        # for harvests outside it.
+        self.pass_through = pass_through
         self.records: dict[RawKey, Record] = {}
         self.replays: dict[tuple, list] = {} if replays is None else replays
         self.replay_plants: dict[tuple, Plant] = replay_plants or {}
@@ -127,17 +155,24 @@ class Run:
     def nested(self, plants: dict[RawKey, Plant] | None = None,
                cursor: dict[RawKey, int] | None = None,
                want: Callable[[RawKey], bool] | None = None,
+               pass_through: bool | None = None, inherit: bool = False,
+               track_sown: bool | None = None,
                replays: dict | None = None, replay_plants: dict | None = None) -> Run:
         """A run for a body inside this one; each argument left out is inherited.
 
-        A body given its own `cursor` counts in its own coordinates: it gets
-        its own replay stack (empty unless `replays` is given).
+        With `inherit`, the body reads this run's records as the values its
+        sites had before it (the body then closes over them). A body given its
+        own `cursor` counts in its own coordinates: it gets its own replay
+        stack (empty unless `replays` is given).
         """
         same = cursor is None
         return Run(self.harvest, self.want if want is None else want,
                    self.plants if plants is None else plants,
                    self.cursor if cursor is None else cursor,
                    self.keep_other_tags, self.abstract,
+                   self.pass_through if pass_through is None else pass_through,
+                   self if inherit else None,
+                   self.track_sown if track_sown is None else track_sown,
                    replays if replays is not None else self.replays if same else {},
                    replay_plants if replay_plants is not None
                    else self.replay_plants if same else {})
@@ -164,12 +199,14 @@ class Run:
         if mode == "strict":
             raise HarvestError(
                 f"{where}: sown twice in one run with mode='strict'. Give each "
-                f"sow its own name, or use mode='clobber' (keep the last) or "
-                f"mode='append' (stack them).")
+                f"sow its own name (for a block called repeatedly, wrap each call "
+                f"in lh.nest(block, scope=...)), or use mode='clobber' (keep the "
+                f"last) or mode='append' (stack them).")
         backward = runs_backward(key)
         if mode == "clobber":
-            if not backward:
+            if not backward or old.seeded:
                 old.chunks = [list(leaves)]
+                old.seeded = False
             return
         shapes = [(x.shape[1:], x.dtype) for x in old.chunks[0]]
         if shapes != [(x.shape[1:], x.dtype) for x in leaves]:
@@ -199,22 +236,7 @@ class Run:
 
     def eval(self, jaxpr: _jax.Jaxpr, consts: Sequence[Any],
              args: Sequence[Any]) -> list:
-        env: dict = {}
-
-        def read(v):
-            return v.val if isinstance(v, _jax.Literal) else env[v]
-
-        for v, x in zip(jaxpr.constvars, consts):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, args):
-            env[v] = x
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            with _jax.eqn_context(eqn):
-                outs = self.eval_eqn(eqn, invals)
-            for v, x in zip(eqn.outvars, outs):
-                env[v] = x
-        return [read(v) for v in jaxpr.outvars]
+        return _jax.eval_eqns(jaxpr, consts, args, self.eval_eqn, in_context=True)
 
     def eval_eqn(self, eqn: _jax.JaxprEqn, invals: list) -> list:
         prim = eqn.primitive
@@ -244,10 +266,14 @@ class Run:
         plant = self.plants.get(key)
         if plant is not None:
             return self.apply_plant(key, plant, vals, params.get("remat", ()))
+        if self.pass_through:
+            return sow_p.bind(*vals, **dict(params, effect=params["tag"] in active_tags()))
         if self.want(key):
             mode = params["mode"]
             leaves = [x[None] for x in vals] if mode == "append" else vals
             self.record(key, mode, params["tree"], leaves)
+            if self.track_sown and mode == "clobber":
+                self.record(sown_key(key), mode, _LEAF, [jnp.ones((), bool)])
         return vals
 
     def apply_plant(self, key: RawKey, plant: Plant | None, vals: list,
@@ -300,7 +326,7 @@ class Replay:
         if not self.applied:
             return vals
         new = list(plant.leaves) if self.row is None else [p[self.row] for p in plant.leaves]
-        if plant.additive:
+        if plant.additive or plant.add:
             return [v + p.astype(v.dtype) for v, p in zip(vals, new)]
         return [p.astype(v.dtype) for v, p in zip(vals, new)]
 

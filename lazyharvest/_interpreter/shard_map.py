@@ -14,7 +14,13 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from lazyharvest import _jax
-from lazyharvest._interpreter.plumbing import PlantOperands, invar_avals, per_site, trace_body
+from lazyharvest._interpreter.plumbing import (
+    PlantOperands,
+    invar_avals,
+    merge_leading,
+    per_site,
+    trace_body,
+)
 from lazyharvest._interpreter.run import EVAL_RULES, Run, bind
 from lazyharvest._interpreter.sites import count_occurrences
 from lazyharvest.errors import HarvestError
@@ -43,8 +49,8 @@ def _planted_layouts(run: Run, ops: PlantOperands, jaxpr: _jax.Jaxpr, inside,
     if not ops.keys:
         return []
     with inside():
-        plain, _inner = trace_body(run.nested({}, {}, want=lambda k: True), jaxpr, (),
-                              invar_avals(jaxpr))
+        learn = run.nested({}, {}, want=lambda k: True, pass_through=False)
+        plain, _inner = trace_body(learn, jaxpr, (), invar_avals(jaxpr))
     inner = {s.key: s for s in plain.sites}
     return [layout_of_aval(a, axes, check) for k in ops.keys for a in inner[k].avals]
 
@@ -93,7 +99,7 @@ def _record_stacked(run: Run, sites: list, leaves: list, out_axes: list) -> None
     axes_per_site = per_site(sites, out_axes)
     for s, ls, axs in zip(sites, per_site(sites, leaves), axes_per_site):
         if s.mode == "append":  # (devices, n, ...) -> (devices * n, ...)
-            ls = [x.reshape(-1, *x.shape[2:]) if ax else x for x, ax in zip(ls, axs)]
+            ls = [merge_leading(x) if ax else x for x, ax in zip(ls, axs)]
         run.record(s.key, s.mode, s.tree, ls)
 
 

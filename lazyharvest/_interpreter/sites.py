@@ -32,7 +32,7 @@ def describe(key: RawKey) -> str:
     return "/".join(parts + list(scopes) + [name])
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # hashed on every call (trace-cache key)
 class Harvest:
     """What one harvest takes: a tag and name filters."""
 
@@ -45,10 +45,12 @@ class Harvest:
         return self.tag is ANY_TAG or params["tag"] == self.tag
 
     def selects(self, params: dict) -> bool:
-        name = params["name"]
-        if self.allowlist is not None and name not in self.allowlist:
+        """Whether the filters take the site: by name or by scoped key."""
+        name, scoped = params["name"], (*params["scopes"], params["name"])
+        if self.allowlist is not None and not (
+                name in self.allowlist or scoped in self.allowlist):
             return False
-        return name not in self.blocklist
+        return not (name in self.blocklist or scoped in self.blocklist)
 
     def where(self, key: RawKey) -> str:
         return f"harvest of tag {self.tag!r}, site {describe(key)!r}"
@@ -120,8 +122,14 @@ def _count_scan(harvest: Harvest, *, jaxpr, length, **_) -> Counts:
 
 
 def _count_cond(harvest: Harvest, *, branches, **_) -> Counts:
-    # Branches sow the same sites (the cond rule checks it): count one.
-    return count_occurrences(branches[0].jaxpr, harvest)
+    # The union over branches: a clobber site may be sown by some branches
+    # only; append and strict sites are sown alike in every branch (the cond
+    # rule checks it), so the largest count is every branch's.
+    counts: Counts = {}
+    for b in branches:
+        for k, n in count_occurrences(b.jaxpr, harvest).items():
+            counts[k] = max(counts.get(k, 0), n)
+    return counts
 
 
 def _count_while(harvest: Harvest, *, body_jaxpr, **_) -> Counts:

@@ -1,0 +1,257 @@
+"""Runs a program description: with lazyharvest sites, or with JAX alone.
+
+With JAX alone (the oracle) it collects every site's value and applies plants
+and perturbations itself, so a law's expected values never come from
+lazyharvest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import lazyharvest as lh
+from lazyharvest.keys import normalize
+from lazyharvest.testing.statements import (
+    BINARY, REDUCE, UNARY, Bin, Cond, Jit, Lin, N, Op, Output, Red, Remat, Scan, Scope,
+    Sow, While)
+
+
+class Description(Protocol):
+    """What the interpreter reads of a ``Program``."""
+
+    @property
+    def body(self) -> tuple: ...
+
+    @property
+    def output(self) -> Output: ...
+
+    @property
+    def tree_input(self) -> bool: ...
+
+    @property
+    def tag(self) -> str: ...
+
+
+def _shape_of(x: Any) -> tuple:
+    return tuple(np.shape(x))
+
+
+def output_value(output: Output, env: list) -> Any:
+    """The program's result: a weighted sum of its output variables."""
+    parts = [env[i] for i in output.srcs]
+    weights = [0.5 + 0.25 * (j % 3) for j in range(len(parts))]
+    scalar = sum(w * jnp.sum(p) for w, p in zip(weights, parts))
+    vector = sum(w * jnp.broadcast_to(p, (N,)) for w, p in zip(weights, parts))
+    if output.kind == "scalar":
+        return scalar
+    if output.kind == "array":
+        return vector
+    return {"out": vector, "aux": scalar}
+
+
+def _fit(v: Any, shape: tuple) -> Any:
+    """`v` made to `shape` (sum a vector to a scalar, broadcast a scalar)."""
+    if _shape_of(v) == shape:
+        return v
+    if shape == ():
+        return jnp.sum(v)
+    return jnp.broadcast_to(v, shape)
+
+
+class Ctx:
+    """Where a statement runs: nest scopes, and (oracle) the loop it is in."""
+
+    def __init__(self, scopes: tuple = (), idx: Any = None, last: Any = None):
+        self.scopes, self.idx, self.last = scopes, idx, last
+
+    def scoped(self, scope: str) -> Ctx:
+        return Ctx(self.scopes + (scope,), self.idx, self.last)
+
+    def iteration(self, i: Any, length: int, is_last: Any) -> Ctx:
+        idx = i if self.idx is None else self.idx * length + i
+        last = is_last if self.last is None else jnp.logical_and(self.last, is_last)
+        return Ctx(self.scopes, idx, last)
+
+
+class Interpreter:
+    """Runs a program description: with lazyharvest sites (``use_lh=True``) or
+    with JAX alone, collecting every site's value and applying plants and
+    perturbations (``use_lh=False``)."""
+
+    def __init__(self, prog: Description, use_lh: bool, plants: Mapping | None = None,
+                 eps: Mapping | None = None):
+        self.prog = prog
+        self.lh = use_lh
+        self.plants = {normalize(k): v for k, v in (plants or {}).items()}
+        self.eps = {normalize(k): v for k, v in (eps or {}).items()}
+
+    # -- sites -----------------------------------------------------------------
+
+    def site(self, name: str, value: Any, mode: str, ctx: Ctx, sites: dict) -> Any:
+        if self.lh:
+            return lh.sow(value, tag=self.prog.tag, name=name, mode=mode)
+        key = (*ctx.scopes, name)
+        v = value
+        if key in self.plants:
+            p = self.plants[key]
+            if mode == "append":
+                row = 0 if ctx.idx is None else ctx.idx
+                p = jax.tree_util.tree_map(lambda a: jnp.asarray(a)[row], p)
+            v = jax.tree_util.tree_map(lambda a, b: jnp.asarray(a, jnp.result_type(b)), p, v)
+        if key in self.eps:
+            e = self.eps[key]
+            if mode == "append":
+                row = 0 if ctx.idx is None else ctx.idx
+                e = jax.tree_util.tree_map(lambda a: jnp.asarray(a)[row], e)
+            elif ctx.last is not None:
+                e = jax.tree_util.tree_map(lambda a: jnp.where(ctx.last, a, 0), e)
+            v = jax.tree_util.tree_map(jnp.add, v, e)
+        sites[key] = (mode, jax.tree_util.tree_map(lambda a: a[None], v) if mode == "append" else v)
+        return v
+
+    # -- blocks ----------------------------------------------------------------
+
+    def block(self, stmts: Sequence[Any], env: list, ctx: Ctx) -> tuple[list, dict]:
+        env = list(env)
+        start = len(env)
+        sites: dict = {}
+        for st in stmts:
+            env.extend(self.stmt(st, env, ctx, sites))
+        return env[start:], sites
+
+    def _sub(self, body: tuple, env: list, ctx: Ctx, sites: dict) -> list:
+        new, sub_sites = self.block(body, env, ctx)
+        sites.update(sub_sites)
+        return new
+
+    def stmt(self, st: Any, env: list, ctx: Ctx, sites: dict) -> list:
+        if isinstance(st, Op):
+            return [UNARY[st.fn](env[st.src])]
+        if isinstance(st, Bin):
+            return [BINARY[st.fn](env[st.a], env[st.b])]
+        if isinstance(st, Lin):
+            return [jnp.asarray(st.matrix()) @ env[st.src]]
+        if isinstance(st, Red):
+            return [REDUCE[st.fn](env[st.src])]
+        if isinstance(st, Sow):
+            if st.const is not None:
+                value: Any = jnp.asarray(st.constant())
+            elif len(st.srcs) == 1:
+                value = env[st.srcs[0]]
+            else:
+                value = {"a": env[st.srcs[0]], "b": env[st.srcs[1]]}
+            out = self.site(st.name, value, st.mode, ctx, sites)
+            return [out] if not isinstance(out, dict) else [out["a"], out["b"]]
+        if isinstance(st, (Scope, Jit, Remat)):
+            return self.wrapped(st, env, ctx, sites)
+        if isinstance(st, Scan):
+            return self.scan(st, env, ctx, sites)
+        if isinstance(st, Cond):
+            return self.cond(st, env, ctx, sites)
+        if isinstance(st, While):
+            return self.while_(st, env, ctx, sites)
+        raise TypeError(f"unknown statement {st!r}")
+
+    def wrapped(self, st: Any, env: list, ctx: Ctx, sites: dict) -> list:
+        if not self.lh:  # jit and checkpoint are the identity; scopes prefix keys
+            sub = ctx.scoped(st.scope) if isinstance(st, Scope) else ctx
+            return self._sub(st.body, env, sub, sites)
+
+        def run(env_tuple: tuple) -> tuple:
+            return tuple(self.block(st.body, list(env_tuple), ctx)[0])
+        if isinstance(st, Scope):
+            fn = lh.nest(run, scope=st.scope)
+        elif isinstance(st, Jit):
+            fn = jax.jit(run)
+        else:
+            fn = jax.checkpoint(run)
+        return list(fn(tuple(env)))
+
+    def scan(self, st: Scan, env: list, ctx: Ctx, sites: dict) -> list:
+        carry0, xs = env[st.carry], env[st.xs]
+        length = _shape_of(xs)[0]
+        shape = _shape_of(carry0)
+        last_i = length - 1  # clobber: the highest index, also for reverse=True
+
+        def body(c: Any, inp: Any) -> Any:
+            xi, i = inp
+            local = list(env) + [c, xi]
+            sub = ctx if self.lh else ctx.iteration(i, length, i == last_i)
+            new, body_sites = self.block(st.body, local, sub)
+            modes.update({k: m for k, (m, _) in body_sites.items()})  # static
+            used = new if st.dense else new[-1:]
+            total = sum(_fit(v, shape) for v in used)
+            c2 = 0.5 * c + jnp.tanh(total)
+            y = _fit(total, ())
+            return c2, (y, {k: v for k, (_, v) in body_sites.items()}
+                        if not self.lh else {})
+        modes: dict = {}
+        c, (ys, stacked) = lax.scan(body, carry0, (xs, jnp.arange(length)),
+                                    reverse=st.reverse)
+        for k, v in stacked.items():
+            if modes[k] == "append":  # (length, rows, ...) -> (length * rows, ...)
+                v = jax.tree_util.tree_map(lambda a: a.reshape((-1,) + a.shape[2:]), v)
+                sites[k] = ("append", v)
+            else:
+                sites[k] = (modes[k], jax.tree_util.tree_map(lambda a: a[last_i], v))
+        return [c, ys]
+
+    def cond(self, st: Cond, env: list, ctx: Ctx, sites: dict) -> list:
+        total = jnp.sum(env[st.pred])
+
+        def make(ops: tuple) -> Callable:
+            def branch(v: Any) -> Any:
+                local: dict = {}
+                for j, op in enumerate(ops):
+                    v = UNARY[op](v)
+                    if j in st.sites:
+                        v = self.site(st.names[st.sites.index(j)], v, st.mode, ctx, local)
+                return v, {k: val for k, (_, val) in local.items()}
+            return branch
+        branches = [make(ops) for ops in st.branches]
+        if st.kind == "cond":
+            out, chosen = lax.cond(total > 0, branches[0], branches[1], env[st.operand])
+        else:
+            index = (total > 0).astype(jnp.int32) + (total > 1).astype(jnp.int32)
+            out, chosen = lax.switch(index, branches, env[st.operand])
+        for k, v in chosen.items():
+            sites[k] = (st.mode, v)
+        return [out]
+
+    def while_(self, st: While, env: list, ctx: Ctx, sites: dict) -> list:
+        v0 = env[st.src]
+
+        def chain(v: Any, local: dict) -> Any:
+            for op in st.ops:
+                v = UNARY[op](v)
+            return self.site(st.name, v, "clobber", ctx, local)
+
+        if self.lh:
+            _, v = lax.while_loop(lambda s: s[0] < st.trips,
+                                  lambda s: (s[0] + 1, chain(s[1], {})), (0, v0))
+            return [v]
+
+        def body(s: Any) -> Any:
+            i, v, _ = s
+            v = chain(v, {})
+            return i + 1, v, v
+        _, v, last = lax.while_loop(lambda s: s[0] < st.trips, body,
+                                    (0, v0, jnp.zeros_like(v0)))
+        sites[(*ctx.scopes, st.name)] = ("clobber", last)
+        return [v]
+
+    # -- the whole program ---------------------------------------------------------
+
+    def run(self, args: Sequence[Any]) -> tuple[Any, dict]:
+        env = [args[0]]
+        if self.prog.tree_input:
+            env += [args[1]["a"], args[1]["b"]]
+        new, sites = self.block(self.prog.body, env, Ctx())
+        env += new
+        return output_value(self.prog.output, env), {k: v for k, (_, v) in sites.items()}

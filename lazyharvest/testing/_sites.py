@@ -1,0 +1,170 @@
+"""What the checkers know about a function's sites: their keys, their reaped
+values, their modes and counts (read off the jaxpr), and whether a missing
+derivative key is excused (a constant or dead site).
+
+Keys are tuples ``(*labels, *scopes, name)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+import lazyharvest as lh
+
+# lazyharvest internals: imported here and nowhere else in the package.
+from lazyharvest._interpreter import sub_jaxprs
+from lazyharvest.keys import Key, normalize
+from lazyharvest.primitive import sow_p
+from lazyharvest.testing._values import all_zero, random_like
+
+#: The labels a key may start with (SPEC 1 and 3).
+LABELS = frozenset({
+    "primal", "jvp", "vjp", "grad", "value_and_grad", "jacfwd", "jacrev",
+    "hessian", "vmap", "jit", "linearize",
+})
+
+
+def split_labels(key: Key) -> tuple[tuple, tuple]:
+    """(labels, rest) of a key: its leading parts that are transform labels.
+
+    A scope or name spelled like a label would be taken for one; the checkers
+    assume scopes and names are not label words.
+    """
+    key = normalize(key)
+    n = 0
+    while n < len(key) - 1 and key[n] in LABELS:
+        n += 1
+    return key[:n], key[n:]
+
+
+def get_nested(tree: Mapping, key: Key) -> Any:
+    node: Any = tree
+    for part in key:
+        node = node[part]
+    return node
+
+
+def flat(d: Any) -> dict[Key, Any]:
+    """A DelayedDict forced in one program, as a flat {key tuple: value} dict."""
+    nested = d.compute()
+    return {normalize(k): get_nested(nested, normalize(k)) for k in d}
+
+
+def reaped(f: Callable, tag: Hashable, args: Sequence[Any]) -> dict[Key, Any]:
+    return flat(lh.reap(f, tag=tag)(*args))
+
+
+# --- what the jaxpr says about the sites: mode and how often each is sown ----------
+
+@dataclasses.dataclass(frozen=True)
+class SiteInfo:
+    """Mode of a site and how many times one run sows it (inf: in a loop)."""
+
+    mode: str
+    count: float
+
+    @property
+    def once(self) -> bool:
+        return self.count == 1
+
+
+def _add_counts(out: dict[Key, SiteInfo], table: Mapping[Key, SiteInfo],
+                times: float = 1) -> None:
+    for k, info in table.items():
+        old = out.get(k)
+        n = 0 if info.count == 0 or times == 0 else info.count * times
+        out[k] = SiteInfo(info.mode, n + (old.count if old else 0))
+
+
+def _count_branches(subs: list, tag: Hashable) -> dict[Key, SiteInfo]:
+    """One run takes one branch: a site counts as often as its most frequent branch."""
+    merged: dict[Key, SiteInfo] = {}
+    for table in (_count_sites(j, tag) for j in subs):
+        for k, info in table.items():
+            old = merged.get(k)
+            merged[k] = SiteInfo(info.mode, max(info.count, old.count if old else 0))
+    return merged
+
+
+def _count_sites(jaxpr: Any, tag: Hashable) -> dict[Key, SiteInfo]:
+    out: dict[Key, SiteInfo] = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is sow_p:
+            p = eqn.params
+            if p["tag"] == tag and not p.get("path"):
+                _add_counts(out, {(*p["scopes"], p["name"]): SiteInfo(p["mode"], 1)})
+            continue
+        name = eqn.primitive.name
+        subs = list(sub_jaxprs(eqn.params))
+        if name == "cond":
+            _add_counts(out, _count_branches(subs, tag))
+        elif name == "scan":
+            length = eqn.params.get("length", 2)
+            for j in subs:
+                _add_counts(out, _count_sites(j, tag), length if length <= 1 else math.inf)
+        elif name == "while":
+            for j in subs:
+                _add_counts(out, _count_sites(j, tag), math.inf)
+        else:
+            for j in subs:
+                _add_counts(out, _count_sites(j, tag))
+    return out
+
+
+def site_info(f: Callable, *args: Any, tag: Hashable) -> dict[Key, SiteInfo]:
+    """Mode and per-run count of every unlabelled site of `tag` in `f`.
+
+    Found by tracing `f` with `jax.make_jaxpr` (no harvest); sites in a scan
+    of length > 1 or in a while loop count as sown infinitely often.
+    """
+    closed = jax.make_jaxpr(f)(*args)
+    return _count_sites(closed.jaxpr, tag)
+
+
+def default_keys(f: Callable, args: Sequence[Any], tag: Hashable, keys: Iterable[Key],
+                 want: Callable[[SiteInfo], bool]) -> list[Key]:
+    """The `keys` whose site `want` accepts (or that ``site_info`` does not know)."""
+    try:
+        info = site_info(f, *args, tag=tag)
+    except Exception:  # noqa: BLE001 - no information: check every key
+        info = {}
+    return [k for k in keys if k not in info or want(info[k])]
+
+
+# --- why a derivative key may be absent ----------------------------------------------
+
+class Evidence:
+    """Why a derivative key may be absent (docs/laws.md, "narrowed"): the
+    site is a *constant* (its tangent is zero: JAX never differentiates it) or
+    *dead* (the output does not depend on it: the derivative of
+    ``p -> plant(f)({k: p}, x)`` is zero, so a linear/backward function built
+    outside a harvest no longer contains it). Computed only when a key is
+    missing, in forward mode (works for ``while_loop`` too)."""
+
+    def __init__(self, f: Callable, args: Sequence[Any], tag: Hashable):
+        self.f, self.args, self.tag = f, tuple(args), tag
+        self._tan: dict | None = None
+        self._values: dict | None = None
+
+    def tangent(self, key: Key) -> Any:
+        if self._tan is None:
+            t = random_like(self.args, 11)
+            self._tan = jax.jvp(lambda *a: reaped(self.f, self.tag, a), self.args, t)[1]
+        return self._tan[key]
+
+    def constant(self, key: Key) -> bool:
+        return all_zero(self.tangent(key))
+
+    def dead(self, key: Key) -> bool:
+        if self.constant(key):
+            return True
+        if self._values is None:
+            self._values = reaped(self.f, self.tag, self.args)
+        v = self._values[key]
+        planted = lambda p: lh.plant(self.f, tag=self.tag)({key: p}, *self.args)  # noqa: E731
+        return all_zero(jax.jvp(planted, (v,), (random_like(v, 13),))[1])

@@ -1,0 +1,323 @@
+"""A random program as one description (``Program``), from which come the
+function with sites, each site's value written with JAX alone, the planted and
+perturbed programs, and the facts the tests filter on (constructs, keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lazyharvest.keys import Key
+from lazyharvest.testing._oracle import Interpreter
+from lazyharvest.testing.statements import (
+    B, Bin, Cond, Jit, Lin, N, Op, Output, Red, Remat, Scan, Scope, Sow, While)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A random program with sites, and its oracle in JAX alone.
+
+    Arguments: ``x: f32[3]``, and with ``tree_input`` a second argument
+    ``{"a": f32[3], "b": f32[]}``. ``fn`` is the function with sites (tag
+    ``tag``); ``slices[k](*args)`` computes site ``k`` without lazyharvest;
+    ``plant(plants, *args)`` / ``perturb(eps, *args)`` run the program with
+    site values replaced / shifted, keyed by site key tuples. ``repr`` is a
+    readable listing of the program (variables ``v0, v1, ...``).
+    """
+
+    body: tuple
+    output: Output
+    tree_input: bool = False
+    tag: str = "law"
+
+    # -- building --------------------------------------------------------------
+
+    @functools.cached_property
+    def fn(self) -> Callable[..., Any]:
+        """The program, with ``lh.sow`` sites."""
+        if self.tree_input:
+            def program(x: Any, p: Any) -> Any:
+                return Interpreter(self, True).run((x, p))[0]
+        else:
+            def program(x: Any) -> Any:
+                return Interpreter(self, True).run((x,))[0]
+        program.__qualname__ = program.__name__ = "random_program"
+        return program
+
+    @functools.cached_property
+    def sites_fn(self) -> Callable[..., dict]:
+        """Every site's value, ``{key: value}``, computed with JAX alone."""
+        return jax.jit(lambda *args: Interpreter(self, False).run(args)[1])
+
+    @functools.cached_property
+    def keys(self) -> list[Key]:
+        """Site keys ``(*scopes, name)``, sorted."""
+        return list(jax.eval_shape(self.sites_fn, *self.example_args(0)))
+
+    @functools.cached_property
+    def slices(self) -> dict[Key, Callable[..., Any]]:
+        """Per key, the site's value as a function of the inputs (JAX alone)."""
+        def make(k: Key) -> Callable[..., Any]:
+            return lambda *args: self.sites_fn(*args)[k]
+        return {k: make(k) for k in self.keys}
+
+    def plant(self, plants: Mapping[Any, Any], *args: Any) -> Any:
+        """The output with ``plants[k]`` replacing site ``k`` (JAX alone)."""
+        return Interpreter(self, False, plants=plants).run(args)[0]
+
+    def perturb(self, eps: Mapping[Any, Any], *args: Any) -> Any:
+        """The output with ``eps[k]`` added to the reaped sow of site ``k``."""
+        return Interpreter(self, False, eps=eps).run(args)[0]
+
+    def example_args(self, seed: int = 0, batch: Sequence[Sequence[Any]] = ()) -> tuple:
+        """Arguments from a seed; ``batch`` lists per vmap (innermost first)
+        the in_axes of each argument (``Stack.batch_dims``)."""
+        rng = np.random.RandomState(seed)
+        shapes: list[Any] = [(N,)]
+        if self.tree_input:
+            shapes.append({"a": (N,), "b": ()})
+        for dims in batch:
+            for j, ax in enumerate(dims):
+                if ax is not None:
+                    shapes[j] = jax.tree_util.tree_map(
+                        lambda s, ax=ax: _insert(s, ax), shapes[j],
+                        is_leaf=lambda s: isinstance(s, tuple))
+        return tuple(jax.tree_util.tree_map(
+            lambda s: jnp.asarray(0.8 * rng.standard_normal(s), jnp.float32), sh,
+            is_leaf=lambda s: isinstance(s, tuple)) for sh in shapes)
+
+    # -- facts -----------------------------------------------------------------
+
+    @property
+    def scalar_output(self) -> bool:
+        return self.output.kind == "scalar"
+
+    @functools.cached_property
+    def constructs(self) -> frozenset:
+        """The constructs this program uses (a subset of ``CONSTRUCTS``)."""
+        found: set = set()
+        _constructs(self.body, found, scope_depth=0, in_scan=False)
+        env = [False] * (3 if self.tree_input else 1)
+        _variance(self.body, env, in_loop=False, in_remat=False, found=found)
+        if self.tree_input:
+            found.add("pytree_in")
+        found.add({"scalar": "scalar_out", "array": "array_out",
+                   "tree": "pytree_out"}[self.output.kind])
+        return frozenset(found)
+
+    @functools.cached_property
+    def once_keys(self) -> list[Key]:
+        """Sites sown exactly once per run (not in a loop)."""
+        out: list = []
+        _once(self.body, (), out, looped=False)
+        return out
+
+    @functools.cached_property
+    def clobber_loop_keys(self) -> list[Key]:
+        """Clobber sites in a scan or while loop."""
+        out: list = []
+        _clobber_loops(self.body, (), out, looped=False)
+        return out
+
+    @property
+    def reverse_differentiable(self) -> bool:
+        return "while" not in self.constructs
+
+    def __repr__(self) -> str:
+        args = "x, p" if self.tree_input else "x"
+        lines = [f"def random_program({args}):  # tag={self.tag!r}, N={N}"]
+        env = ["x"] + (['p["a"]', 'p["b"]'] if self.tree_input else [])
+        counter = [len(env)]
+        names = list(env)
+        _render(self.body, names, counter, lines, "    ")
+        srcs = ", ".join(names[i] for i in self.output.srcs)
+        lines.append(f"    return {self.output.kind}_output({srcs})")
+        return "\n".join(lines)
+
+
+def _insert(shape: tuple, ax: int) -> tuple:
+    ax = ax if ax >= 0 else len(shape) + 1 + ax
+    return shape[:ax] + (B,) + shape[ax:]
+
+
+def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool) -> None:
+    for st in body:
+        if isinstance(st, Op):
+            found.add("elementwise")
+        elif isinstance(st, Bin):
+            found.add("binary")
+        elif isinstance(st, Lin):
+            found.add("linear")
+        elif isinstance(st, Red):
+            found.add("reduction")
+        elif isinstance(st, Sow):
+            found.add("site")
+            if st.const is not None:
+                found.add("constant")
+            if len(st.srcs) == 2:
+                found.add("pytree_site")
+            if in_scan:
+                found.add("scan_append" if st.mode == "append" else "scan_clobber")
+        elif isinstance(st, Scope):
+            found.add("scope")
+            if scope_depth >= 1:
+                found.add("nested_scope")
+            _constructs(st.body, found, scope_depth + 1, in_scan)
+        elif isinstance(st, Jit):
+            found.add("jit")
+            _constructs(st.body, found, scope_depth, in_scan)
+        elif isinstance(st, Remat):
+            found.add("checkpoint")
+            _constructs(st.body, found, scope_depth, in_scan)
+        elif isinstance(st, Scan):
+            found.add("scan")
+            if st.reverse:
+                found.add("reverse_scan")
+            if in_scan:
+                found.add("nested_scan")
+            _constructs(st.body, found, scope_depth, True)
+        elif isinstance(st, Cond):
+            found.update({st.kind, "site"})
+            if in_scan:
+                found.add("scan_append" if st.mode == "append" else "scan_clobber")
+        elif isinstance(st, While):
+            found.update({"while", "site"})
+            if st.trips == 0:
+                found.add("while_never_runs")
+            if in_scan:
+                found.add("scan_clobber")
+
+
+def _variance(body: tuple, variant: list, in_loop: bool, in_remat: bool, found: set) -> list:
+    """Data-flow facts: which variables change from one iteration of the
+    innermost scan to the next (``variant``, parallel to the environment);
+    adds "invariant_append_site" and "cond_in_checkpoint" to ``found``.
+    Returns the flags of the variables ``body`` creates (errs towards
+    "invariant")."""
+    env = list(variant)
+    start = len(env)
+    for st in body:
+        if isinstance(st, (Op, Lin, Red)):
+            new = [env[st.src]]
+        elif isinstance(st, Bin):
+            new = [env[st.a] or env[st.b]]
+        elif isinstance(st, Sow):
+            v = st.const is None and any(env[i] for i in st.srcs)
+            if in_loop and st.mode == "append" and not v:
+                found.add("invariant_append_site")
+            new = [v] * max(1, len(st.srcs))
+        elif isinstance(st, (Scope, Jit)):
+            new = _variance(st.body, env, in_loop, in_remat, found)
+        elif isinstance(st, Remat):
+            new = _variance(st.body, env, in_loop, True, found)
+        elif isinstance(st, Scan):
+            inner = [False] * len(env) + [True, True]
+            _variance(st.body, inner, True, in_remat, found)
+            v = env[st.carry] or env[st.xs]
+            new = [v, v]
+        elif isinstance(st, Cond):
+            if in_remat:
+                found.add("cond_in_checkpoint")
+            v = env[st.operand] or env[st.pred]
+            if in_loop and st.mode == "append" and not v:
+                found.add("invariant_append_site")
+            new = [v]
+        elif isinstance(st, While):
+            new = [env[st.src]]
+        else:
+            raise TypeError(st)
+        env.extend(new)
+    return env[start:]
+
+
+def _once(body: tuple, scopes: tuple, out: list, looped: bool) -> None:
+    for st in body:
+        if isinstance(st, Sow) and not looped:
+            out.append((*scopes, st.name))
+        elif isinstance(st, Cond) and not looped:
+            out.extend((*scopes, n) for n in st.names)
+        elif isinstance(st, Scope):
+            _once(st.body, scopes + (st.scope,), out, looped)
+        elif isinstance(st, (Jit, Remat)):
+            _once(st.body, scopes, out, looped)
+        elif isinstance(st, While) and not looped and st.trips == 1:
+            out.append((*scopes, st.name))
+
+
+def _clobber_loops(body: tuple, scopes: tuple, out: list, looped: bool) -> None:
+    for st in body:
+        if isinstance(st, Sow) and looped and st.mode == "clobber":
+            out.append((*scopes, st.name))
+        elif isinstance(st, Cond) and looped and st.mode == "clobber":
+            out.extend((*scopes, n) for n in st.names)
+        elif isinstance(st, Scope):
+            _clobber_loops(st.body, scopes + (st.scope,), out, looped)
+        elif isinstance(st, (Jit, Remat)):
+            _clobber_loops(st.body, scopes, out, looped)
+        elif isinstance(st, Scan):
+            _clobber_loops(st.body, scopes, out, True)
+        elif isinstance(st, While):
+            out.append((*scopes, st.name))
+
+
+def _render(body: tuple, names: list, counter: list, lines: list, ind: str) -> None:
+    def new(expr: str) -> None:
+        v = f"v{counter[0]}"
+        counter[0] += 1
+        names.append(v)
+        lines.append(f"{ind}{v} = {expr}")
+
+    for st in body:
+        if isinstance(st, Op):
+            new(f"{st.fn}({names[st.src]})")
+        elif isinstance(st, Bin):
+            new(f"{st.fn}({names[st.a]}, {names[st.b]})")
+        elif isinstance(st, Lin):
+            new(f"W{st.seed} @ {names[st.src]}")
+        elif isinstance(st, Red):
+            new(f"{st.fn}({names[st.src]})")
+        elif isinstance(st, Sow):
+            if st.const is not None:
+                val = f"const{st.const}"
+            elif len(st.srcs) == 1:
+                val = names[st.srcs[0]]
+            else:
+                val = f'{{"a": {names[st.srcs[0]]}, "b": {names[st.srcs[1]]}}}'
+            if len(st.srcs) == 2 and st.const is None:
+                a, b = f"v{counter[0]}", f"v{counter[0] + 1}"
+                counter[0] += 2
+                names += [a, b]
+                lines.append(f'{ind}{a}, {b} = sow({val}, name={st.name!r}, '
+                             f'mode={st.mode!r}).values()')
+            else:
+                new(f"sow({val}, name={st.name!r}, mode={st.mode!r})")
+        elif isinstance(st, (Scope, Jit, Remat)):
+            head = {Scope: lambda: f"nest(scope={getattr(st, 'scope', '')!r})",
+                    Jit: lambda: "jax.jit", Remat: lambda: "jax.checkpoint"}[type(st)]()
+            lines.append(f"{ind}with {head}:  # a block")
+            _render(st.body, names, counter, lines, ind + "    ")
+        elif isinstance(st, Scan):
+            lines.append(f"{ind}scan(carry={names[st.carry]}, xs={names[st.xs]}, "
+                         f"reverse={st.reverse}) as (c, xi):")
+            inner = names + ["c", "xi"]
+            _render(st.body, inner, counter, lines, ind + "    ")
+            used = inner[len(names) + 2:] if st.dense else inner[-1:]
+            total = " + ".join(f"fit({u})" for u in used)
+            lines.append(f"{ind}    t = {total}; c = 0.5 * c + tanh(t); y = sum(t)")
+            new("final carry")
+            new("stacked y")
+        elif isinstance(st, Cond):
+            sites = ", ".join(f"after op {j}: sow {n!r} ({st.mode})"
+                              for j, n in zip(st.sites, st.names))
+            new(f"{st.kind}(pred=sum({names[st.pred]}), operand={names[st.operand]}, "
+                f"branches={list(st.branches)}; {sites})")
+        elif isinstance(st, While):
+            new(f"while_loop({st.trips} trips: v = sow({'('.join(st.ops)}(v{')' * len(st.ops)}), "
+                f"{st.name!r}, clobber), v={names[st.src]})")

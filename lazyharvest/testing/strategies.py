@@ -1,0 +1,268 @@
+"""Hypothesis strategies: random programs, recorded-transform stacks that fit
+them, and matching inputs.
+
+``hypothesis`` is imported when a strategy is built, not with this module, so
+the checkers work without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from lazyharvest.testing.random_programs import Program
+from lazyharvest.testing.stacks import Stack, Transform
+from lazyharvest.testing.statements import (
+    BINARY, CONSTRUCTS, REDUCE, UNARY, Bin, Cond, Jit, Lin, N, Op, Output, Red, Remat,
+    Scan, Scope, Sow, While)
+
+
+def _strategies() -> Any:
+    """``hypothesis.strategies``, imported on first use."""
+    try:
+        import hypothesis.strategies as st
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "lazyharvest.testing: the random-program strategies need hypothesis "
+            "(pip install hypothesis); the check_* functions do not.") from e
+    return st
+
+
+class _Gen:
+    """State while drawing one program: variable shapes, names, depth."""
+
+    def __init__(self, draw: Callable, allowed: frozenset, max_statements: int, max_depth: int,
+                 dead_code: bool = True):
+        self.draw = draw
+        self.dead_code = dead_code
+        self.allowed = allowed
+        self.max_statements = max_statements
+        self.max_depth = max_depth
+        self.names: dict[tuple, int] = {}
+        self.n_scopes = 0
+        self.n_sites = 0
+
+    def st(self) -> Any:
+        return _strategies()
+
+    def name(self, scopes: tuple) -> str:
+        n = self.names.get(scopes, 0)
+        self.names[scopes] = n + 1
+        self.n_sites += 1
+        return f"s{n}"
+
+    def pick(self, shapes: list, want: tuple | None = None) -> int:
+        ok = [i for i, s in enumerate(shapes) if want is None or s == want]
+        # favour recent variables, so values flow through the program
+        return self.draw(self.st().sampled_from(ok[::-1]))
+
+    def block(self, shapes: list, scopes: tuple, depth: int, loop: bool,
+              n_min: int, n_max: int) -> tuple[tuple, list]:
+        """Statements and the shapes of the variables they create."""
+        st = self.st()
+        shapes = list(shapes)
+        start = len(shapes)
+        body = []
+        kinds = ["op", "op", "bin", "lin", "red", "sow", "sow"]
+        kinds += [k for k in ("pytree_site", "constant") if k in self.allowed]
+        if depth < self.max_depth:
+            kinds += [k for k in ("scope", "jit", "checkpoint", "scan", "cond", "switch",
+                                  "while") if k in self.allowed]
+        n = self.draw(st.integers(n_min, n_max))
+        for _ in range(n):
+            kind = self.draw(st.sampled_from(kinds))
+            stmt, new = self.statement(kind, shapes, scopes, depth, loop)
+            body.append(stmt)
+            shapes += new
+        return tuple(body), shapes[start:]
+
+    def mode(self, loop: bool) -> str:
+        if not loop:
+            return "strict"
+        options = [m for m in ("append", "clobber") if f"scan_{m}" in self.allowed]
+        return self.draw(self.st().sampled_from(options or ["append"]))
+
+    def statement(self, kind: str, shapes: list, scopes: tuple, depth: int,
+                  loop: bool) -> tuple[Any, list]:
+        """One statement of `kind` and the shapes of the variables it creates."""
+        if kind in ("op", "bin", "lin", "red"):
+            return self.arithmetic(kind, shapes)
+        if kind in ("sow", "pytree_site", "constant"):
+            return self.site(kind, shapes, scopes, loop)
+        if kind in ("scope", "jit", "checkpoint"):
+            return self.wrapped(kind, shapes, scopes, depth, loop)
+        if kind == "scan":
+            return self.scan(shapes, scopes, depth)
+        if kind in ("cond", "switch"):
+            return self.branches(kind, shapes, scopes, loop)
+        if kind == "while":
+            return self.while_loop(shapes, scopes)
+        raise ValueError(kind)
+
+    def arithmetic(self, kind: str, shapes: list) -> tuple[Any, list]:
+        st, draw, vec = self.st(), self.draw, (N,)
+        if kind == "op":
+            i = self.pick(shapes)
+            return Op(draw(st.sampled_from(sorted(UNARY))), i), [shapes[i]]
+        if kind == "bin":
+            a, b = self.pick(shapes), self.pick(shapes)
+            out = vec if vec in (shapes[a], shapes[b]) else ()
+            return Bin(draw(st.sampled_from(sorted(BINARY))), a, b), [out]
+        if kind == "lin":
+            return Lin(self.pick(shapes, vec), draw(st.integers(0, 7))), [vec]
+        return Red(draw(st.sampled_from(sorted(REDUCE))), self.pick(shapes, vec)), [()]
+
+    def site(self, kind: str, shapes: list, scopes: tuple, loop: bool) -> tuple[Any, list]:
+        st, draw = self.st(), self.draw
+        if kind == "sow":
+            i = self.pick(shapes)
+            return Sow(self.name(scopes), (i,), self.mode(loop)), [shapes[i]]
+        if kind == "pytree_site":
+            a, b = self.pick(shapes), self.pick(shapes)
+            return Sow(self.name(scopes), (a, b), self.mode(loop)), [shapes[a], shapes[b]]
+        shape = draw(st.sampled_from([(), (N,)]))
+        return (Sow(self.name(scopes), (), self.mode(loop), const=shape,
+                    seed=draw(st.integers(0, 7))), [shape])
+
+    def wrapped(self, kind: str, shapes: list, scopes: tuple, depth: int,
+                loop: bool) -> tuple[Any, list]:
+        if kind == "scope":
+            self.n_scopes += 1
+            scope = f"b{self.n_scopes - 1}"
+            body, new = self.block(shapes, scopes + (scope,), depth + 1, loop, 1, 3)
+            return Scope(scope, body), new
+        body, new = self.block(shapes, scopes, depth + 1, loop, 1, 3)
+        return (Jit(body) if kind == "jit" else Remat(body)), new
+
+    def scan(self, shapes: list, scopes: tuple, depth: int) -> tuple[Any, list]:
+        vec = (N,)
+        carry = self.pick(shapes)
+        xs = self.pick(shapes, vec)
+        inner = shapes + [shapes[carry], ()]
+        body, new = self.block(inner, scopes, depth + 1, True, 1, 3)
+        if not any(isinstance(s, (Sow, Cond, While, Scope, Scan, Jit, Remat)) for s in body):
+            body += (Sow(self.name(scopes), (len(inner) + len(new) - 1,), self.mode(True)),)
+        reverse = self.draw(self.st().booleans()) if "reverse_scan" in self.allowed else False
+        return Scan(carry, xs, body, reverse, not self.dead_code), [shapes[carry], vec]
+
+    def branches(self, kind: str, shapes: list, scopes: tuple, loop: bool) -> tuple[Any, list]:
+        st, draw = self.st(), self.draw
+        n_br = 2 if kind == "cond" else 3
+        length = draw(st.integers(1, 3))
+        ops = st.sampled_from(sorted(UNARY))
+        branches = tuple(tuple(draw(ops) for _ in range(length)) for _ in range(n_br))
+        where = tuple(sorted(draw(st.sets(st.integers(0, length - 1), min_size=1,
+                                          max_size=2))))
+        names = tuple(self.name(scopes) for _ in where)
+        operand = self.pick(shapes)
+        return (Cond(self.pick(shapes), operand, branches, where, names, self.mode(loop)),
+                [shapes[operand]])
+
+    def while_loop(self, shapes: list, scopes: tuple) -> tuple[Any, list]:
+        st, draw = self.st(), self.draw
+        src = self.pick(shapes)
+        ops = tuple(draw(st.lists(st.sampled_from(["sin", "tanh", "scale", "shift"]),
+                                  min_size=1, max_size=2)))
+        trips = draw(st.sampled_from([0, 1, 2]))
+        return While(src, ops, trips, self.name(scopes)), [shapes[src]]
+
+
+def programs(*, exclude: Iterable[str] = (), max_statements: int = 5, max_depth: int = 2,
+             outputs: Sequence[str] = ("scalar", "array", "tree"), dead_code: bool = True,
+             tag: str = "law") -> Any:
+    """A hypothesis strategy of random ``Program`` s.
+
+    ``exclude`` removes constructs from ``CONSTRUCTS`` (e.g. ``{"while"}``
+    for reverse mode, ``{"constant"}``; constructs derived from the data flow
+    are filtered out after drawing); ``outputs`` restricts the output
+    kind (``"scalar"``, ``"array"`` or the pytree ``"tree"``). Programs are
+    small: at most ``max_statements`` top-level statements, blocks nested
+    ``max_depth`` deep. They always sow at least one site. With
+    ``dead_code=False`` every variable reaches the output (the output and
+    every scan carry combine all variables), so no site is dead code.
+    """
+    st = _strategies()
+    exclude = frozenset(exclude)
+    unknown = exclude - CONSTRUCTS
+    if unknown:
+        raise ValueError(f"programs: unknown constructs {sorted(unknown)}; "
+                         f"known: {sorted(CONSTRUCTS)}")
+    allowed = CONSTRUCTS - exclude
+
+    @st.composite
+    def draw_program(draw: Callable) -> Program:
+        gen = _Gen(draw, allowed, max_statements, max_depth, dead_code)
+        tree_input = "pytree_in" in allowed and draw(st.booleans())
+        shapes: list = [(N,)] + ([(N,), ()] if tree_input else [])
+        body, new = gen.block(shapes, (), 0, False, 1, max_statements)
+        shapes += new
+        if gen.n_sites == 0:
+            body += (Sow(gen.name(()), (len(shapes) - 1,), "strict"),)
+            shapes.append(shapes[-1])
+        kinds = [k for k in outputs if {"scalar": "scalar_out", "array": "array_out",
+                                        "tree": "pytree_out"}[k] in allowed]
+        kind = draw(st.sampled_from(kinds))
+        last = len(shapes) - 1
+        if dead_code:
+            rest = draw(st.sets(st.integers(0, last), max_size=2))
+        else:
+            rest = set(range(last))
+        srcs = tuple(sorted(rest | {last}))
+        if kind != "scalar" and all(shapes[i] == () for i in srcs):
+            srcs = (0,) + srcs
+        return Program(body, Output(kind, srcs), tree_input, tag)
+    strategy = draw_program()
+    if exclude:
+        strategy = strategy.filter(lambda p: not p.constructs & exclude)
+    return strategy
+
+
+def transform_stacks(program: Program, *, max_depth: int = 3,
+                     kinds: Sequence[str] = ("grad", "jacfwd", "jacrev", "vmap", "jit"),
+                     min_depth: int = 1) -> Any:
+    """A hypothesis strategy of ``Stack`` s that apply to ``program``.
+
+    Up to ``max_depth`` recorded transforms, innermost first; ``grad`` only
+    where the function is scalar, ``grad``/``jacrev`` only where it is
+    reverse-differentiable (no ``while_loop``); ``vmap`` with random ``in_axes`` (0, -1 or
+    per argument, one of them ``None``) and ``out_axes`` (0, -1, or for a
+    pytree output a matching pytree).
+    """
+    st = _strategies()
+    n_args = 2 if program.tree_input else 1
+
+    @st.composite
+    def draw_stack(draw: Callable) -> Stack:
+        depth = draw(st.integers(min_depth, max_depth))
+        scalar = program.scalar_output
+        tree_out = program.output.kind == "tree"
+        out: list = []
+        for _ in range(depth):
+            options = [k for k in kinds if (k != "grad" or scalar)
+                       and (k not in ("grad", "jacrev") or program.reverse_differentiable)]
+            kind = draw(st.sampled_from(options))
+            if kind == "vmap":
+                axes_options: list = [0, -1]
+                if n_args == 2:
+                    axes_options += [(0, None), (None, 0), (-1, 0)]
+                in_axes = draw(st.sampled_from(axes_options))
+                out_options: list = [0, -1]
+                if tree_out and not out:
+                    out_options.append({"out": -1, "aux": 0})
+                out.append(Transform("vmap", in_axes, draw(st.sampled_from(out_options))))
+                scalar = False
+            elif kind == "jit":
+                out.append(Transform("jit"))
+            else:
+                out.append(Transform(kind))
+                scalar = False
+                tree_out = False
+        return Stack(tuple(out))
+    return draw_stack()
+
+
+def inputs(program: Program, stack: Stack | None = None) -> Any:
+    """A hypothesis strategy of argument tuples for ``program`` under ``stack``."""
+    st = _strategies()
+    batch = stack.batch_dims(2 if program.tree_input else 1) if stack is not None else []
+    return st.integers(0, 2 ** 16).map(lambda seed: program.example_args(seed, batch))

@@ -1,0 +1,139 @@
+"""Plants inside custom_jvp/custom_vjp functions that close over arrays: the
+user's rule stays in force, the plant is a constant for it."""
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.ode import odeint
+
+import lazyharvest as lh
+from helpers import close
+
+W = jnp.array([1.5, -2.0])  # closed over by the custom functions below
+X = jnp.array([0.3, 0.4])
+
+
+@jax.custom_vjp
+def vjp_fn(x):
+    return jnp.sum(lh.sow(jnp.sin(x) * W, tag="t", name="h") ** 2)
+
+
+vjp_fn.defvjp(lambda x: (vjp_fn(x), x), lambda x, g: (g * 7.0 * jnp.ones_like(x),))
+
+
+@jax.custom_jvp
+def jvp_fn(x):
+    return jnp.sum(lh.sow(jnp.sin(x) * W, tag="t", name="h") ** 2)
+
+
+jvp_fn.defjvp(lambda p, t: (jvp_fn(*p), 5.0 * jnp.sum(t[0])))
+
+
+def test_plant_in_custom_vjp_closing_over_arrays_under_grad():
+    c = jnp.ones(2)
+    got = jax.grad(lambda x: lh.plant(vjp_fn, tag="t")({"h": c}, x))(X)
+    close(got, jnp.full(2, 7.0))                     # the user's (deliberately odd) rule
+    close(lh.plant(vjp_fn, tag="t")({"h": c}, X), 2.0)   # sum(c ** 2)
+
+
+def test_plant_in_custom_jvp_closing_over_arrays_under_grad():
+    c = jnp.ones(2)
+    got = jax.grad(lambda x: lh.plant(jvp_fn, tag="t")({"h": c}, x))(X)
+    close(got, jnp.full(2, 5.0))
+    close(lh.reap(jvp_fn, tag="t")(X)["h"], jnp.sin(X) * W)
+
+
+K = jnp.float32(0.7)
+
+
+def dynamics(y, t, a):
+    return lh.sow(-a * y * K, tag="t", name="rate", mode="clobber")
+
+
+def solve(y0, a):
+    return odeint(dynamics, y0, jnp.array([0., 1.]), a)[-1]
+
+
+def test_plant_in_odeint_dynamics():
+    y0, a = jnp.float32(1.0), jnp.float32(2.0)
+    planted = lambda a: lh.plant(solve, tag="t")({"rate": jnp.float32(-0.5)}, y0, a)
+    close(planted(a), 0.5, rtol=1e-4)                 # dy/dt = -0.5 for one unit of time
+    # odeint's adjoint rule stays in force: it differentiates the unplanted solve
+    plain = lambda a: odeint(lambda y, t, a: -a * y * K, y0, jnp.array([0., 1.]), a)[-1]
+    close(jax.grad(planted)(a), jax.grad(plain)(a), rtol=1e-4)
+
+
+def test_plant_in_equinox_filter_custom_vjp():
+    eqx = __import__("pytest").importorskip("equinox")
+
+    @eqx.filter_custom_vjp
+    def f(vjp_arg, x):
+        return jnp.sum(lh.sow(jnp.sin(x) * vjp_arg, tag="t", name="h"))
+
+    @f.def_fwd
+    def f_fwd(perturbed, vjp_arg, x):
+        return f(vjp_arg, x), None
+
+    @f.def_bwd
+    def f_bwd(res, g, perturbed, vjp_arg, x):
+        return jnp.full_like(vjp_arg, 3.)           # the user's rule
+
+    w = jnp.array([1., 2.])
+    planted = lambda w: lh.plant(lambda w: f(w, X), tag="t")({"h": jnp.ones(2)}, w)
+    close(planted(w), 2.0)
+    close(jax.grad(planted)(w), jnp.full(2, 3.))
+
+
+def test_sites_inside_custom_vmap_are_reaped_and_planted():
+    from jax.custom_batching import custom_vmap
+
+    @custom_vmap
+    def f(x):
+        return lh.sow(jnp.sin(x) * 2, tag="t", name="a") + 1
+
+    @f.def_vmap
+    def rule(axis_size, in_batched, x):
+        return jnp.sin(x) * 2 + 100., True          # the user's rule: must stay
+
+    close(lh.reap(f, tag="t")(1.)["a"], jnp.sin(1.) * 2)
+    close(lh.plant(f, tag="t")({"a": 5.}, 1.), 6.)
+    xs = jnp.arange(3.)
+    out, _ = lh.call_and_reap(jax.vmap(f), tag="t")(xs)
+    close(out, jnp.sin(xs) * 2 + 100.)
+
+
+def test_sites_inside_sequential_vmap():
+    from jax.custom_batching import sequential_vmap
+    s = sequential_vmap(lambda x: lh.sow(x * 3, tag="t", name="s", mode="append"))
+    close(lh.reap(jax.vmap(s), tag="t")(jnp.arange(3.))["s"], jnp.arange(3.) * 3)
+
+
+def test_sites_inside_custom_vjp_with_optimize_remat():
+    g = jax.custom_vjp(lambda x: lh.sow(jnp.sin(x) * 3, tag="t", name="b"))
+    g.defvjp(lambda x: (lh.sow(jnp.sin(x) * 3, tag="t", name="b"), x),
+             lambda r, ct: (ct * jnp.cos(r) * 3,), optimize_remat=True)
+    out, d = lh.call_and_reap(jax.value_and_grad(g), tag="t")(1.)
+    close(d["b"], jnp.sin(1.) * 3)
+    close(out[1], jnp.cos(1.) * 3)
+
+
+def cube(x):
+    return lh.sow(x ** 3, tag="t", name="x3") + 1
+
+
+def test_vmap_with_axis_name_collectives_while_recording():
+    f = lambda x: lh.sow(x - jax.lax.pmean(x, "i"), tag="t", name="c")
+    x = jnp.arange(4.)
+    d = lh.reap(lh.vmap(f, axis_name="i"), tag="t")(x)
+    close(d["c"], x - jnp.mean(x))
+
+
+def test_jax_transform_around_a_recorded_one_is_a_clear_error():
+    import pytest
+    with pytest.raises(lh.HarvestError, match="lh.jvp, lh.grad, lh.vmap"):
+        lh.reap(lambda x: jax.jvp(lh.grad(cube), (x,), (1.,)), tag="t")(2.)
+    with pytest.raises(lh.HarvestError, match="jax.vmap"):
+        lh.reap(jax.vmap(lh.grad(cube)), tag="t")(jnp.ones(2))
+    # outside a harvest, or with recorded transforms all the way, it works
+    close(jax.vmap(lh.grad(cube))(jnp.ones(2)), jnp.full(2, 3.))
+    d = lh.reap(lh.vmap(lh.grad(cube)), tag="t")(jnp.ones(2))
+    close(d["grad", "x3"], jnp.full(2, 3.))

@@ -1,0 +1,121 @@
+"""Harvesting in a loop compiles once: plants, rebuilt recorded wrappers,
+unhashable callables; caches stay weak in the user's function."""
+
+import gc
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lazyharvest as lh
+from helpers import CompileCounter, close
+
+COMPILES = CompileCounter()
+
+
+def mlp(x):
+    h = x
+    for i in range(3):
+        h = lh.sow(jnp.tanh(h * (i + 1.5) + 0.1), tag="t", name=f"h{i}")
+    return jnp.sum(h ** 2)
+
+
+def hand_patched(x, i, value):
+    h = x
+    for j in range(3):
+        h = jnp.tanh(h * (j + 1.5) + 0.1)
+        if j == i:
+            h = value
+    return jnp.sum(h ** 2)
+
+
+def _count(fn, calls):
+    outs = []
+    counts = []
+    for args in calls:
+        before = COMPILES.count
+        outs.append(fn(*args))
+        jax.block_until_ready(jax.tree_util.tree_leaves(outs[-1]))
+        counts.append(COMPILES.count - before)
+    return outs, counts
+
+
+def test_repeated_plant_calls_compile_nothing_after_the_first():
+    x = jnp.linspace(-1., 1., 8)
+    planted = lh.plant(mlp, tag="t")
+    calls = [({"h1": jnp.full(8, float(v))}, x + v) for v in range(4)]
+    outs, counts = _count(planted, calls)
+    assert counts[0] >= 1 and counts[1:] == [0, 0, 0]
+    for (plants, xv), out in zip(calls, outs):
+        close(out, hand_patched(xv, 1, plants["h1"]))
+
+
+def test_repeated_harvest_and_call_and_reap_compile_nothing_after_the_first():
+    x = jnp.linspace(-1., 1., 8)
+    harvested = lh.harvest(mlp, tag="t")
+    _, counts = _count(lambda p, x: harvested(p, x)[1]["h2"],
+                       [({"h0": jnp.full(8, float(v))}, x * v) for v in range(3)])
+    assert counts[1:] == [0, 0]
+    car = lh.call_and_reap(mlp, tag="t")
+    outs, counts = _count(lambda x: car(x)[1].compute(), [(x * v,) for v in range(3)])
+    assert counts[1:] == [0, 0]
+    close(outs[2]["h0"], jnp.tanh(x * 2 * 1.5 + 0.1))
+
+
+def test_rebuilt_recorded_wrappers_compile_nothing_after_the_first():
+    def step(x):
+        d = lh.reap(lh.jit(lh.vmap(lh.grad(mlp), in_axes=0)), tag="t")(x)
+        return d["grad", "h0"]
+    xs = [jnp.ones((2, 8)) * v for v in (0.1, 0.2, 0.3)]
+    outs, counts = _count(step, [(x,) for x in xs])
+    assert counts[1:] == [0, 0]
+    want = jax.vmap(jax.jacrev(lambda x: jnp.tanh(x * 1.5 + 0.1)))(xs[2])
+    close(outs[2], want)
+
+
+def test_unhashable_callable_is_cached_by_identity():
+    class Unhashable:
+        __hash__ = None  # like Equinox's filter_grad wrappers
+
+        def __call__(self, x):
+            return mlp(x)
+    f = Unhashable()
+    reaped = lh.reap(f, tag="t")
+    _, counts = _count(lambda x: reaped(x)["h0"], [(jnp.ones(8) * v,) for v in range(3)])
+    assert counts[1:] == [0, 0]
+
+
+def test_uncacheable_callable_warns_once():
+    class Slotted:
+        __slots__ = ()
+
+        def __call__(self, x):
+            return lh.sow(x * 2, tag="t", name="y")
+    with pytest.warns(UserWarning, match="cannot cache"):
+        lh.reap(Slotted(), tag="t")(1.)["y"]
+
+
+def test_dropping_the_function_frees_its_traces():
+    def make():
+        def f(x):
+            return lh.sow(x * 3, tag="t", name="y")
+        return f
+    f = make()
+    wrapped = lh.grad(f)
+    d = lh.reap(wrapped, tag="t")(2.)
+    assert float(d["grad", "y"]) == 3.
+    ref = weakref.ref(f)
+    del f, wrapped, d
+    gc.collect()
+    assert ref() is None
+
+
+def test_wrappers_with_different_parameters_do_not_share_traces():
+    def f(x, y):
+        return lh.sow(x * y ** 2, tag="t", name="p")
+    a, b = jnp.float32(2.), jnp.float32(3.)
+    d0 = lh.reap(lh.grad(f, argnums=0), tag="t")(a, b)
+    d1 = lh.reap(lh.grad(f, argnums=1), tag="t")(a, b)
+    assert np.isclose(float(d0["grad", "p"]), 9.) and np.isclose(float(d1["grad", "p"]), 12.)
