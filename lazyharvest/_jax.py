@@ -63,6 +63,7 @@ from jax._src import effects as _effects  # noqa: E402
 from jax._src import sharding_impls as _sharding_impls  # noqa: E402
 from jax._src import source_info_util as _source_info_util  # noqa: E402
 from jax._src import traceback_util as _traceback_util  # noqa: E402
+from jax._src import util as _util  # noqa: E402
 from jax._src.interpreters import ad as _ad  # noqa: E402
 from jax._src.interpreters import partial_eval as _pe  # noqa: E402
 from jax.api_util import debug_info as _debug_info  # noqa: E402
@@ -684,3 +685,89 @@ def wrap_transpose(prim: Primitive, keep: Callable[[dict], bool]) -> None:
         return original(cts_in, *args, **params)
     rule._lazyharvest = True  # type: ignore[attr-defined]
     _ad.fancy_transposes[prim] = rule
+
+
+# --- partial evaluation of lax.cond keeps effectful branches -------------------------
+# JAX's partial-eval rule for `cond` (used by jax.linearize/grad and by the
+# transpose of jax.checkpoint) stages the unknown half of the branches as one
+# eqn recipe but, unlike an ordinary primitive, does not register it with the
+# trace's effect handles: when none of its outputs is used (a dead site's
+# tangent copy) the eqn is dropped, effects and all. The wrapper gives that
+# recipe one extra, empty output (a slice of an unknown operand) so it can be
+# found, registers it like JAX does for any effectful eqn, and returns the
+# original outputs.
+
+def keep_effects_in_cond_partial_eval(effect_type: type) -> None:
+    """Makes `cond`'s partial eval keep staged branches with `effect_type`."""
+    rules = pe.custom_partial_eval_rules
+    original = rules[cond_p]
+    if getattr(original, "_lazyharvest", False):
+        return
+
+    def rule(trace, *tracers, branches, **params):
+        unknown = [not t.pval.is_known() for t in tracers]
+        has_effect = any(isinstance(e, effect_type) for b in branches
+                         for e in b.jaxpr.effects)
+        ops = [i for i, uk in enumerate(unknown[1:], 1)
+               if uk and isinstance(tracers[i].aval, _core.ShapedArray)]
+        if unknown[0] or not has_effect or not ops:
+            return original(trace, *tracers, branches=branches, **params)
+        which = ops[0] - 1  # the branches' operand that feeds the empty output
+        outs = original(trace, *tracers, branches=tuple(
+            _with_empty_output(b, which) for b in branches), **params)
+        *outs, marker = outs
+        recipe = marker.recipe
+        if recipe is not None and _effects.partial_eval_kept_effects.filter_in(
+                recipe.effects):
+            trace.effect_handles.append(_pe.EffectHandle(list(recipe.in_tracers), recipe))
+        return outs
+
+    rule._lazyharvest = True  # type: ignore[attr-defined]
+    rules[cond_p] = rule
+
+
+@_util.weakref_lru_cache
+def _with_empty_output(branch: ClosedJaxpr, which: int) -> ClosedJaxpr:
+    """`branch` with one more output: an empty slice of its operand `which`."""
+    def fn(*args):
+        outs = jax.core.eval_jaxpr(branch.jaxpr, branch.consts, *args)
+        return [*outs, jax.numpy.ravel(args[which])[:0]]
+    jaxpr, consts = trace_flat(fn, branch.in_avals)
+    return ClosedJaxpr(jaxpr, consts)
+
+
+# --- sites stay inside the scan loops they are sown in ------------------------------
+# When JAX splits a scan for differentiation, it hoists the computations of the
+# known (primal) scan that depend only on its constants out of the loop
+# (`_scan_known_hoisting`, in both `_scan_partial_eval` and `_scan_linearize`):
+# they run once. A site there would be sown once instead of once per
+# iteration. While that hoisting runs, a flag (a user context: it is part of
+# the keys of JAX's caches, which therefore never mix the two behaviours) asks
+# the partial-eval rule of `prim` to stage such a site as unknown, so it stays
+# in the loop; its (hoisted) input enters the loop as a constant.
+
+_hoisting = jax.make_user_context(default_value=False)
+
+
+def keep_in_scan_loops(prim: Primitive, effect_type: type,
+                       keep: Callable[[dict], bool]) -> None:
+    """Eqns of `prim` with `keep(params)` are not hoisted out of scans."""
+    from jax._src.lax.control_flow import loops as _loops
+
+    original = _loops._scan_known_hoisting
+    if not getattr(original, "_lazyharvest", False):
+        def hoisting(jaxpr_known, known_consts, num_res):
+            if not any(isinstance(e, effect_type) for e in jaxpr_known.effects):
+                return original(jaxpr_known, known_consts, num_res)
+            with _hoisting(True):
+                return original(jaxpr_known, known_consts, num_res)
+
+        hoisting._lazyharvest = True  # type: ignore[attr-defined]
+        _loops._scan_known_hoisting = hoisting
+
+    def rule(trace, *tracers, **params):
+        if _hoisting.value and keep(params) and all(t.pval.is_known() for t in tracers):
+            tracers = tuple(trace.instantiate_const(t) for t in tracers)
+        return trace.default_process_primitive(prim, tracers, params)
+
+    pe.custom_partial_eval_rules[prim] = rule

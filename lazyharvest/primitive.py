@@ -20,6 +20,7 @@ Two design points keep it both faithful and free:
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
@@ -51,6 +52,7 @@ class SowEffect(_jax.Effect):
 
 sow_effect = SowEffect()
 _jax.register_effect(SowEffect)
+_jax.keep_effects_in_cond_partial_eval(SowEffect)
 
 
 # --- harvest state: which tags are being harvested, which nest scopes apply ---
@@ -137,17 +139,24 @@ def _batch(vals, dims, **params):
     return sow_p.bind(*vals, **params), [None if d is None else 0 for d in dims]
 
 
+_remat_tokens = itertools.count(1)
+
+
 def _remat_partial_eval(saveable, unks_in, inst_in, eqn):
     # Default remat partial eval saves the outputs of known effectful eqns as
-    # residuals. Recompute the site instead; the recomputed copy is marked so
-    # a harvest does not count it twice.
+    # residuals. Recompute the site instead. The recomputed copy is marked
+    # (`recompute=token`) so a harvest does not count it twice, and the known
+    # original lists the token among its `remat` params, so a harvest plants
+    # the copy as it planted the original.
     del saveable
     n = len(eqn.outvars)
     res = [v for v, inst in zip(eqn.invars, inst_in) if not inst]
     if any(unks_in):
         return None, eqn, [True] * n, [True] * n, res
-    staged = _jax.replace_eqn_params(eqn, recompute=True)
-    return eqn, staged, [False] * n, [True] * n, res
+    token = next(_remat_tokens)
+    known = _jax.replace_eqn_params(eqn, remat=eqn.params.get("remat", ()) + (token,))
+    staged = _jax.replace_eqn_params(eqn, recompute=token, remat=())
+    return known, staged, [False] * n, [True] * n, res
 
 
 sow_p.def_impl(_impl)
@@ -157,6 +166,7 @@ _jax.ad.primitive_jvps[sow_p] = _jvp
 _jax.ad.primitive_transposes[sow_p] = _transpose
 _jax.register_batcher(sow_p, _batch)
 _jax.register_remat_rule(sow_p, _remat_partial_eval)
+_jax.keep_in_scan_loops(sow_p, SowEffect, lambda params: params["effect"])
 
 
 # --- dead and constant sites under JAX's differentiation ----------------------
@@ -542,7 +552,7 @@ def _merge(orders: list[list]) -> tuple[list, list] | None:
         seen: dict = {}
         ids = []
         for p in order:
-            key = tuple(sorted(p.items()))
+            key = tuple(sorted(_site_identity(p).items()))
             n = seen[key] = seen.get(key, -1) + 1
             ids.append((key, n))
             first.setdefault((key, n), (p, len(first)))
@@ -597,6 +607,12 @@ def _stage(closed: Any, own: list[int], k: int | None, site_avals: list) -> Any:
     avals = [v.aval for v in closed.jaxpr.invars] + [a for s in before for a in s]
     jaxpr, consts = _jax.trace_flat(fn, avals)
     return _jax.ClosedJaxpr(jaxpr, consts)
+
+
+def _site_identity(params: dict) -> dict:
+    # Branches pair their rematerialized copies with their originals by
+    # tokens of their own; the lifted site is sown once, with branch 0's.
+    return dict(params, recompute=bool(params["recompute"]), remat=())
 
 
 def _make_cond_batcher(original: Callable) -> Callable:

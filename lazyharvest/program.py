@@ -26,7 +26,15 @@ import numpy as np
 
 from lazyharvest import _jax, slicing
 from lazyharvest import keys as keys_mod
-from lazyharvest._interpreter import Harvest, Plant, RawKey, Run, split_list, sub_jaxprs
+from lazyharvest._interpreter import (
+    Harvest,
+    Plant,
+    RawKey,
+    Run,
+    count_occurrences,
+    split_list,
+    sub_jaxprs,
+)
 from lazyharvest.errors import HarvestError, closest
 from lazyharvest.keys import VJP, Label
 from lazyharvest.primitive import active_tags, current_scopes, harvesting, sow_p
@@ -166,10 +174,15 @@ class Traced:
         wanted = frozenset(raw_keys)
         n_args = len(self.in_avals)
         closed = self.jaxpr
+        # An additive clobber plant goes to the last occurrence: count them.
+        counts = (count_occurrences(closed.jaxpr, self.harvest)
+                  if any(e.additive and e.mode != "append" for e in plants.entries) else {})
 
         def fn(*flat):
             args, leaves = flat[:n_args], flat[n_args:]
-            run = Run(self.harvest, wanted.__contains__, plants.plants(leaves),
+            planted = {k: attrs.evolve(p, count=counts.get(k, 1))
+                       for k, p in plants.plants(leaves).items()}
+            run = Run(self.harvest, wanted.__contains__, planted,
                       keep_other_tags=with_out, pass_through=pass_through)
             outs = run.eval(closed.jaxpr, closed.consts, args)
             site = [x for k in raw_keys for x in run.records[k].leaves()]

@@ -294,8 +294,12 @@ def _evaluate(*flat, jaxpr, transform, out_avals):
 
 def _refuse_outer_jax_transform(what: str, jaxpr: _jax.Jaxpr, transform: Transform) -> None:
     """A JAX transformation applied around a recorded one while a harvest is
-    traced would give the sites JAX's labels, silently: say what to write."""
-    if getattr(_LOCAL, "depth", 0):
+    traced would give the sites JAX's labels, silently: say what to write.
+
+    `lh.jit` is exempt: its label is structural (keys differing only in it
+    are aliases), so the keys JAX's labels give are the recorded ones.
+    """
+    if getattr(_LOCAL, "depth", 0) or transform.name == "jit":
         return
     tags = [t for t in active_tags() if jaxpr_has_sites(jaxpr, t)]
     if tags:
@@ -397,15 +401,21 @@ def _count_recorded(harvest: Harvest, *, jaxpr, transform, **_) -> Counts:
 COUNT_RULES[recorded_p] = _count_recorded
 
 
-def _inner_plants(run: Run, labels: tuple, inner: Counts) -> dict:
-    """Plants addressed to sites inside, keyed as the inner jaxpr knows them."""
+def _inner_plants(run: Run, labels: tuple, inner: Counts) -> tuple[dict, dict]:
+    """Plants addressed to sites inside, keyed as the inner jaxpr knows them,
+    and where each one's occurrences start (the outer run's cursor, which
+    moves past them: a layer called repeatedly takes the next rows)."""
     plants: dict = {}
+    cursor: dict = {}
     for (path, scopes, name), plant in run.plants.items():
         if path and isinstance(path[-1], Label) and path[-1] in labels:
             ik = (path[:-1], scopes, name)
             if ik in inner:
+                ok = (path, scopes, name)
                 plants[ik] = plant
-    return plants
+                cursor[ik] = run.cursor.get(ok, 0)
+                run.cursor[ok] = cursor[ik] + inner[ik]
+    return plants, cursor
 
 
 def _wanted(run: Run, labels: tuple, inner: Counts, plants: dict) -> dict:
@@ -432,14 +442,14 @@ def _recorded(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, transform,
     """
     t, labels = transform, labels_of(transform)
     inner = count_occurrences(jaxpr, run.harvest)
-    plants = _inner_plants(run, labels, inner)
+    plants, cursor = _inner_plants(run, labels, inner)
     ops = PlantOperands(tuple(plants), tuple(len(p.leaves) for p in plants.values()),
                         tuple(x for p in plants.values() for x in p.leaves))
     extra = list(ops.leaves)
     extra_axes = [t.site_axis()] * len(extra) if t.name == "vmap" else []
 
     def inner_run(ex: Sequence[Any], want: Callable) -> Run:
-        return run.nested(ops.plants(plants, ex), {}, want=want)
+        return run.nested(ops.plants(plants, ex), cursor, want=want)
 
     def plain(*flat):
         n = len(flat) - len(extra)

@@ -134,13 +134,6 @@ def test_law6_roundtrip(pa):
     T.check_roundtrip(p.fn, *args, tag=p.tag)
 
 
-# Constructs that trigger a known bug under reverse mode inside the harvest.
-REVERSE_BUGS = {
-    "invariant_append_site",  # test_bug_invariant_append_site_under_grad
-    "cond_in_checkpoint",  # test_bug_dead_cond_site_in_checkpoint_*
-}
-
-
 @FEW
 @slow
 @given(program_and_args())
@@ -151,14 +144,14 @@ def test_law7_lazy_equals_direct_definition(pa):
 
 @FEW
 @slow
-@given(program_and_args(exclude={"while"} | REVERSE_BUGS))
+@given(program_and_args(exclude={"while"}))
 def test_law7_reverse_mode_keys(pa):
     p, args = pa
     T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices, perturb=p.perturb)
 
 
 @FEW
-@given(program_and_args(exclude={"while", "checkpoint"} | REVERSE_BUGS))
+@given(program_and_args(exclude={"while", "checkpoint"}))
 def test_law7_strict_keys(pa):
     # every derivative key, dead and constant sites included (SPEC 9)
     p, args = pa
@@ -200,7 +193,7 @@ def test_every_law_on_construct(construct):
     p = simplest_with(construct)
     args = p.example_args(7)
     laws = set(T.LAWS)
-    reverse = p.reverse_differentiable and not p.constructs & REVERSE_BUGS
+    reverse = p.reverse_differentiable
     report = T.check_all(p.fn, *args, tag=p.tag, slices=p.slices, laws=laws,
                          perturb=p.perturb if reverse else None)
     expected = laws - ({3} if not HAS_TRANSFORMS else set())
@@ -399,7 +392,7 @@ def test_narrowed_plain_jax_vmap_is_not_a_law():
         T.check_vmap(fresh_victim(), jnp.stack([X, X]), tag="t", out_axes=-1, vmap=jax.vmap)
 
 
-# --- KNOWN BUGS: each flips to XPASS (and fails, strict) when fixed ---------------------
+# --- regressions: partial evaluation lost or hoisted sites ------------------------------
 
 XS = jnp.array([0.3, -0.2, 0.5])
 
@@ -409,42 +402,57 @@ def _dead_cond_site(u):
                     lambda u: lh.sow(u * u, tag="t", name="s"), u)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a site in lax.cond inside jax.checkpoint that the output does not use "
-    "gets no ('vjp', name) key under jax.grad (SPEC 3.2: it gets zeros); "
-    "without the checkpoint, or under jax.jit, it does"))
-def test_bug_dead_cond_site_in_checkpoint_has_no_cotangent():
+def test_regression_dead_cond_site_in_checkpoint_has_a_zero_cotangent():
+    # JAX's partial eval of lax.cond dropped the staged branches when none of
+    # their outputs was used, the tangent copy of the site with them: under
+    # jax.grad the site had no ('vjp', name) key (SPEC 3.2 gives it zeros).
     def f(x):
         jax.checkpoint(_dead_cond_site)(x * 2)
         return jnp.sum(x ** 2)
     d = lh.reap(jax.grad(f), tag="t")(XS)
-    assert ("vjp", "s") in d
+    assert set(d.keys()) == {"s", ("vjp", "s")}
+    np.testing.assert_allclose(d["s"], XS * 2 + 0.3, rtol=1e-6)  # sum(2x) > 0
+    np.testing.assert_array_equal(d["vjp", "s"], jnp.zeros(3))
+    d = lh.reap(jax.grad(f), tag="t")(-XS)
+    np.testing.assert_allclose(d["s"], 4 * XS * XS, rtol=1e-6)
+    np.testing.assert_array_equal(d["vjp", "s"], jnp.zeros(3))
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "the same dead cond site, fed by the stacked output of a scan with an "
-    "append site: reaping jax.grad crashes with 'Expected cotangent type "
-    "float32[] but got float32[3]'"))
-def test_bug_dead_cond_site_in_checkpoint_after_scan_crashes():
+def test_regression_dead_cond_site_in_checkpoint_after_scan():
+    # The same dead cond site, fed by the stacked output of a scan with an
+    # append site: reaping jax.grad crashed ("Expected cotangent type float32[]
+    # but got float32[3]").
     def f(x):
         ys = lax.scan(lambda c, xi: (c, lh.sow(jnp.sum(c * xi), tag="t", name="o",
                                               mode="append")), x, x)[1]
         jax.checkpoint(_dead_cond_site)(ys)
         return jnp.sum(x ** 2)
-    lh.reap(jax.grad(f), tag="t")(XS)
+    d = lh.reap(jax.grad(f), tag="t")(XS).compute()
+    ys = XS * jnp.sum(XS)
+    np.testing.assert_allclose(d["o"], ys, rtol=1e-6)
+    np.testing.assert_allclose(d["s"], ys + 0.3, rtol=1e-6)  # sum(ys) > 0
+    np.testing.assert_array_equal(d["vjp"]["s"], jnp.zeros(3))
+    np.testing.assert_array_equal(d["vjp"]["o"], jnp.zeros(3))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "an append site in a scan whose value the scan does not change is hoisted "
-    "out of the loop by JAX's partial evaluation under jax.grad: it is reaped "
-    "with 1 row instead of one per iteration (jax.jvp and no transform: 3 rows)"))
-def test_bug_invariant_append_site_under_grad():
+def test_regression_invariant_append_site_under_grad():
+    # An append site in a scan whose value the scan does not change was
+    # hoisted out of the loop by JAX's partial evaluation under jax.grad:
+    # reaped with 1 row instead of one per iteration.
     def f(x):
         def body(c, xi):
-            return c + lh.sow(jnp.sin(x), tag="t", name="k", mode="append"), None
-        return jnp.sum(lax.scan(body, jnp.zeros(3), XS)[0])
+            return c + lh.sow(jnp.sin(x), tag="t", name="k", mode="append") * xi, None
+        return jnp.sum(lax.scan(body, jnp.zeros(3), XS)[0] ** 2)
+    rows = jnp.broadcast_to(jnp.sin(XS), (3, 3))
     assert lh.reap(f, tag="t")(XS)["k"].shape == (3, 3)
-    assert lh.reap(jax.grad(f), tag="t")(XS)["k"].shape == (3, 3)
+    d = lh.reap(jax.grad(f), tag="t")(XS)
+    np.testing.assert_allclose(d["k"], rows, rtol=1e-6)
+    eps_grad = jax.grad(lambda e: jnp.sum(jnp.sum((rows + e) * XS[:, None], 0) ** 2))(
+        jnp.zeros((3, 3)))
+    np.testing.assert_allclose(d["vjp", "k"], eps_grad, rtol=1e-5)
+    T.check_lazy(f, XS, tag="t", slices={"k": lambda x: jnp.broadcast_to(jnp.sin(x), (3, 3))},
+                 perturb=lambda eps, x: jnp.sum(
+                     jnp.sum((jnp.sin(x) + eps.get(("k",), 0.)) * XS[:, None], 0) ** 2))
 
 
 # --- regressions: bugs these laws found, since fixed -----------------------------------

@@ -117,8 +117,11 @@ def _cond(run: Run, eqn: _jax.JaxprEqn, invals: list, *, branches, **_) -> list:
                 dict(eqn.params, branches=new_branches))
     n_out = bodies[0].n_out
     merge(run, order, outs[n_out:])
-    # Append sites (the only ones a cursor counts) are sown alike in every branch.
-    run.cursor.update(traced[0][1].cursor)
+    # Append sites are sown alike in every branch; a planted clobber site
+    # counts as often as the branch that sows it most (`count_occurrences`).
+    for _body, branch_run in traced:
+        for k, n in branch_run.cursor.items():
+            run.cursor[k] = max(run.cursor.get(k, 0), n)
     return list(outs[:n_out])
 
 

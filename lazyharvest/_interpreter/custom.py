@@ -77,11 +77,9 @@ def _custom_planted(run: Run, eqn: _jax.JaxprEqn, invals: list,
     if any(run.want(k) for k in counts):
         _, inner = planted(*invals, *ops.leaves)
         for k, r in inner.records.items():
-            for c in r.chunks:
-                run.record(k, r.mode, r.tree, c)
+            run.record_all(k, r)
     for k in ops.keys:
-        if run.plants[k].mode == "append":
-            run.cursor[k] = start.get(k, 0) + counts[k]
+        run.cursor[k] = start.get(k, 0) + counts[k]
     stripped = dict(eqn.params, call_jaxpr=strip_sites(run, closed))
     original = lambda *xs: bind(eqn, list(xs), stripped)
     primal = lambda *a: planted(*a)[0]

@@ -14,6 +14,7 @@ cond branch, an inner loop that does not run), passes the value on.
 
 from __future__ import annotations
 
+import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +22,6 @@ import numpy as np
 from lazyharvest import _jax
 from lazyharvest._interpreter.plumbing import (
     Body,
-    PlantOperands,
     incoming,
     invar_avals,
     merge,
@@ -31,32 +31,128 @@ from lazyharvest._interpreter.plumbing import (
     trace_body,
     zeros,
 )
-from lazyharvest._interpreter.run import EVAL_RULES, Run, Site, bind, is_sown, sown_key
-from lazyharvest._interpreter.sites import Counts, Harvest, count_occurrences
+from lazyharvest._interpreter.run import (
+    EVAL_RULES,
+    Plant,
+    Run,
+    ScanReplay,
+    Site,
+    bind,
+    is_sown,
+    runs_backward,
+    sown_key,
+)
+from lazyharvest._interpreter.sites import (
+    Counts,
+    Harvest,
+    count_occurrences,
+    raw_key,
+    sub_jaxprs,
+)
 from lazyharvest.errors import HarvestError
+from lazyharvest.primitive import sow_p
 
 
-def _scan_plants(run: Run, per_iter: Counts, length: int) -> tuple[PlantOperands, list]:
+@attrs.define
+class _ScanPlants:
     """Plants a scan body needs, as per-iteration operands (scan `xs`).
 
-    Append plants are sliced per iteration. So is a cotangent planted at a
-    clobber site: it belongs to the value reaped, the one at the highest
-    index, and is added there only.
+    An append plant is sliced: the rows of the scan's occurrences, in program
+    order, one block per iteration. A cotangent planted at a clobber site
+    belongs to the occurrence whose value is reaped, the last in program
+    order: the scan that has it gets it at its highest index only, the others
+    none. Copies that `jax.checkpoint` rematerializes in this scan get the
+    operands their originals had in theirs (`ScanReplay`).
     """
-    keys = [k for k, pl in run.plants.items()
-            if per_iter.get(k) and (pl.mode == "append" or pl.additive)]
-    xs = []
-    for k in keys:
-        pl = run.plants[k]
+
+    run: Run
+    length: int
+    keys: list = attrs.field(factory=list)  # sliced plants, operand order
+    slices: dict = attrs.field(factory=dict)  # key -> (start, n, per iteration)
+    dropped: set = attrs.field(factory=set)  # keys the body does not plant
+    pairs: list = attrs.field(factory=list)  # (token, key) of sliced replays
+    replays: dict = attrs.field(factory=dict)  # (token, key) -> body's replays
+    xs: list = attrs.field(factory=list)
+
+    @classmethod
+    def of(cls, run: Run, jaxpr: _jax.Jaxpr, per_iter: Counts, length: int) -> _ScanPlants:
+        self = cls(run, length)
+        for k, pl in run.plants.items():
+            n_it = per_iter.get(k)
+            if not n_it or not (pl.mode == "append" or pl.additive):
+                continue
+            done, n = run.cursor.get(k, 0), n_it * length
+            run.cursor[k] = done + n
+            total = pl.leaves[0].shape[0] if pl.mode == "append" else pl.count
+            start = total - done - n if runs_backward(k) else done
+            if pl.mode != "append" and start + n != total:
+                self.dropped.add(k)
+                continue
+            self.keys.append(k)
+            self.slices[k] = (start, n, n_it)
+            self.xs += self._slice(pl, start, n, n_it)
+        for pair in _copies(jaxpr, run) if run.replays else ():
+            stack = run.replays.get(pair)
+            if not stack or not isinstance(stack[-1], ScanReplay) or stack[-1].length != length:
+                continue
+            entry = stack.pop()
+            self.replays[pair] = list(entry.entries)
+            if entry.start is not None:
+                self.pairs.append((pair, entry.per_iter))
+                self.xs += self._slice(_plant_of(run, pair), entry.start, entry.n,
+                                       entry.per_iter)
+        return self
+
+    def _slice(self, pl: Plant, start: int, n: int, n_it: int) -> list:
         if pl.mode == "append":
-            start, n = run.cursor.get(k, 0), per_iter[k] * length
-            run.cursor[k] = start + n
-            xs += [x[start:start + n].reshape(length, per_iter[k], *x.shape[1:])
-                   for x in pl.leaves]
-        else:
-            xs += [jnp.zeros((length, *jnp.shape(x)), x.dtype).at[length - 1].set(x)
-                   for x in pl.leaves]
-    return PlantOperands.of(run, keys), xs
+            return [x[start:start + n].reshape(self.length, n_it, *x.shape[1:])
+                    for x in pl.leaves]
+        return [jnp.zeros((self.length, *jnp.shape(x)), x.dtype).at[self.length - 1].set(x)
+                for x in pl.leaves]
+
+    def body_run(self, extra: list, track_sown: bool | None = None) -> Run:
+        run = self.run
+        plants = {k: p for k, p in run.plants.items() if k not in self.dropped}
+        replay_plants = dict(run.replay_plants)
+        sizes = [len(run.plants[k].leaves) for k in self.keys]
+        sizes += [len(_plant_of(run, pair).leaves) for pair, _ in self.pairs]
+        chunks = split_list(extra, sizes)
+        for k, leaves in zip(self.keys, chunks):
+            plants[k] = attrs.evolve(run.plants[k], leaves=leaves, count=self.slices[k][2])
+        for (pair, n_it), leaves in zip(self.pairs, chunks[len(self.keys):]):
+            replay_plants[pair] = attrs.evolve(_plant_of(run, pair), leaves=leaves,
+                                               count=n_it)
+        return run.nested(plants, {}, track_sown=track_sown,
+                          replays={p: list(e) for p, e in self.replays.items()},
+                          replay_plants=replay_plants)
+
+    def done(self, inner: Run) -> None:
+        """Hands the body's replays (per iteration) to the copies of a later scan."""
+        for pair, entries in inner.replays.items():
+            if entries:
+                start, n, n_it = self.slices.get(pair[1], (None, 0, 0))
+                self.run.replays.setdefault(pair, []).append(
+                    ScanReplay(start, n, n_it, self.length, tuple(entries)))
+
+
+def _plant_of(run: Run, pair: tuple) -> Plant:
+    return run.replay_plants.get(pair) or run.plants[pair[1]]
+
+
+def _copies(jaxpr: _jax.Jaxpr, run: Run) -> list:
+    """(token, key) of the planted rematerialized copies anywhere in `jaxpr`."""
+    found: list = []
+    for e in jaxpr.eqns:
+        p = e.params
+        if e.primitive is sow_p:
+            if p["recompute"] and run.harvest.owns(p):
+                pair = (p["recompute"], raw_key(p))
+                if pair not in found and (pair in run.replay_plants or pair[1] in run.plants):
+                    found.append(pair)
+            continue
+        for j in sub_jaxprs(p):
+            found += [x for x in _copies(j, run) if x not in found]
+    return found
 
 
 def _check_scan_modes(h: Harvest, body: Body) -> None:
@@ -112,21 +208,22 @@ def _scan_body(body: Body, clob: list[Site], app: list[Site], sizes: list[int],
 def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, length,
           num_consts, num_carry, reverse, **_) -> list:
     per_iter = count_occurrences(jaxpr.jaxpr, run.harvest)
-    ops, plant_xs = _scan_plants(run, per_iter, length)
+    plan = _ScanPlants.of(run, jaxpr.jaxpr, per_iter, length)
+    plant_xs = plan.xs
     body_avals = invar_avals(jaxpr.jaxpr)
     xs_avals = [jax.typeof(x).update(shape=x.shape[1:]) for x in plant_xs]
     # A reverse scan tracks which iterations sow each clobber site (`sown_key`).
-    make_run = lambda extra: run.nested(ops.plants(run.plants, extra), {},
-                                        track_sown=True if reverse else None)
-    body, _inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts, body_avals + xs_avals,
-                              make_run, len(plant_xs))
+    make_run = lambda extra: plan.body_run(extra, track_sown=True if reverse else None)
+    body, inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts, body_avals + xs_avals,
+                             make_run, len(plant_xs))
     _check_scan_modes(run.harvest, body)
     clob = [s for s in body.sites if s.mode == "clobber"]
     if clob:  # again, with the clobber carry as the sites' earlier values
-        body, _inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts, body_avals + xs_avals,
-                                  make_run, len(plant_xs), seeds=clob)
+        body, inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts, body_avals + xs_avals,
+                                 make_run, len(plant_xs), seeds=clob)
         assert [s.key for s in body.sites[:len(clob)]] == [s.key for s in clob]
         clob = body.sites[:len(clob)]
+    plan.done(inner)
     app = [s for s in body.sites if s.mode == "append"]
     n_clob = sum(len(s.avals) for s in clob)
     flags, any_flag = None, False
@@ -229,7 +326,7 @@ def _while(run: Run, eqn: _jax.JaxprEqn, invals: list, *, cond_jaxpr, body_jaxpr
     earlier = [x for s in body.sites for x in incoming(run, s)]
     outs = bind(eqn, [*cond.consts, *cond_c, *body.consts, *body_c, *init,
                       *earlier], params)
-    merge(run, body.sites, outs[ncarry:])
+    merge(run, body.sites, outs[ncarry:], replace=True)
     return outs[:ncarry]
 
 

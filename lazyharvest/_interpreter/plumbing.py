@@ -43,9 +43,19 @@ def per_site(sites: Sequence[Site], leaves: Sequence[Any]) -> list[list]:
     return chunks
 
 
-def merge(run: Run, sites: Sequence[Site], leaves: Sequence[Any]) -> None:
-    """Records the site leaves a body returned into `run`."""
+def merge(run: Run, sites: Sequence[Site], leaves: Sequence[Any],
+          replace: bool = False) -> None:
+    """Records the site leaves a body returned into `run`.
+
+    With `replace`, a body that started from the sites' earlier values (a
+    `while_loop`, which no backward pass runs) replaces their records, even
+    those of sites evaluated backward (`runs_backward`): each iteration ran
+    its own backward pass, after the ones before the loop.
+    """
     for s, ls in zip(sites, per_site(sites, leaves)):
+        old = run.records.get(s.key)
+        if replace and old is not None and s.mode == "clobber":
+            old.seeded = True
         run.record(s.key, s.mode, s.tree, ls)
 
 
@@ -86,7 +96,7 @@ def incoming(run: Run, site: Site) -> list:
 def seed(run: Run, sites: Sequence[Site], leaves: Sequence[Any]) -> Run:
     """`run` with `sites` holding `leaves` as if sown before the body."""
     for s, ls in zip(sites, per_site(sites, leaves)):
-        run.records[s.key] = Record(s.mode, s.tree, [list(ls)])
+        run.records[s.key] = Record(s.mode, s.tree, [list(ls)], seeded=True)
     return run
 
 

@@ -20,7 +20,25 @@ import jax.numpy as jnp
 from lazyharvest import _jax
 from lazyharvest._interpreter.sites import Harvest, RawKey, contains_sites, raw_key
 from lazyharvest.errors import HarvestError
+from lazyharvest.keys import VJP, Label
 from lazyharvest.primitive import active_tags, sow_p
+
+
+def runs_backward(key: RawKey) -> bool:
+    """Whether the occurrences of a site are evaluated in reverse program order.
+
+    A backward pass binds the cotangent copies of a site in reverse order; a
+    backward pass of a backward pass restores it. So the occurrences of a site
+    run backward when its path has an odd number of `"vjp"` levels outside its
+    outermost recorded transform (inside one, a nested run orders them).
+    """
+    flips = False
+    for level in reversed(key[0]):
+        if isinstance(level, Label):
+            break
+        if level == VJP:
+            flips = not flips
+    return flips
 
 
 @attrs.define
@@ -40,6 +58,10 @@ class Record:
     mode: str
     tree: Any
     chunks: list  # strict/clobber: [leaves]; append: list of stacked leaves
+    # A value from before the body (`plumbing.seed`, `merge(replace=True)`):
+    # the next sow replaces it, even where a clobber record keeps its first
+    # contribution.
+    seeded: bool = False
 
     def leaves(self) -> list:
         if self.mode != "append" or len(self.chunks) == 1:
@@ -65,12 +87,23 @@ _LEAF = jax.tree_util.tree_structure(0)
 
 @attrs.define
 class Plant:
-    """A planted value: replaces the site (adds, for a cotangent site)."""
+    """A planted value: replaces the site (adds, for a cotangent site).
+
+    `count` is how many times the site occurs where this plant applies (an
+    additive `clobber` plant is added at the last occurrence in program order
+    only: the one whose value is reaped).
+    """
 
     leaves: list
     mode: str
     additive: bool  # a cotangent site: added where the reaped value was sown
     add: bool = False  # plant(mode="add"): added to the site at every sow
+    count: int = 0
+
+    def row(self, done: int, backward: bool) -> int:
+        """The program-order index of the occurrence after `done` evaluated ones."""
+        n = self.count if self.mode != "append" else self.leaves[0].shape[0]
+        return n - 1 - done if backward else done
 
 
 EvalRule = Callable[..., list]
@@ -82,9 +115,17 @@ class Run:
     """One evaluation of a jaxpr under a harvest.
 
     `want(key)` says which sites to return; `plants` maps keys to `Plant`s;
-    `cursor` counts, per append site, the planted rows used so far. With
+    `cursor` counts, per planted site, the occurrences evaluated so far. With
     `keep_other_tags=False`, sites of other tags are consumed too: a side
     computation (a DelayedDict leaf) must not sow them a second time.
+
+    `replays` pairs the copies `jax.checkpoint` rematerializes with their
+    originals: a planted original pushes what it was planted with, per
+    (token, key), and its copy (`recompute=token`) pops it, so the copy of an
+    occurrence gets that occurrence's plant. Backward passes rematerialize in
+    reverse order, hence a stack. Runs with the same plant coordinates (jit,
+    remat, cond bodies) share it; `replay_plants` holds, per (token, key), the
+    plant a copy reads when it differs from `plants` (in a scan body).
     """
 
     def __init__(self, harvest: Harvest, want: Callable[[RawKey], bool],
@@ -92,7 +133,8 @@ class Run:
                  cursor: dict[RawKey, int] | None = None,
                  keep_other_tags: bool = True, abstract: bool = False,
                  pass_through: bool = False, parent: Run | None = None,
-                 track_sown: bool = False):
+                 track_sown: bool = False,
+                 replays: dict | None = None, replay_plants: dict | None = None):
         self.harvest = harvest
         self.parent = parent
         self.track_sown = track_sown
@@ -107,29 +149,44 @@ class Run:
         # for harvests outside it.
         self.pass_through = pass_through
         self.records: dict[RawKey, Record] = {}
+        self.replays: dict[tuple, list] = {} if replays is None else replays
+        self.replay_plants: dict[tuple, Plant] = replay_plants or {}
 
     def nested(self, plants: dict[RawKey, Plant] | None = None,
                cursor: dict[RawKey, int] | None = None,
                want: Callable[[RawKey], bool] | None = None,
                pass_through: bool | None = None, inherit: bool = False,
-               track_sown: bool | None = None) -> Run:
+               track_sown: bool | None = None,
+               replays: dict | None = None, replay_plants: dict | None = None) -> Run:
         """A run for a body inside this one; each argument left out is inherited.
 
         With `inherit`, the body reads this run's records as the values its
-        sites had before it (the body then closes over them).
+        sites had before it (the body then closes over them). A body given its
+        own `cursor` counts in its own coordinates: it gets its own replay
+        stack (empty unless `replays` is given).
         """
+        same = cursor is None
         return Run(self.harvest, self.want if want is None else want,
                    self.plants if plants is None else plants,
                    self.cursor if cursor is None else cursor,
                    self.keep_other_tags, self.abstract,
                    self.pass_through if pass_through is None else pass_through,
                    self if inherit else None,
-                   self.track_sown if track_sown is None else track_sown)
+                   self.track_sown if track_sown is None else track_sown,
+                   replays if replays is not None else self.replays if same else {},
+                   replay_plants if replay_plants is not None
+                   else self.replay_plants if same else {})
 
     # -- recording --------------------------------------------------------
 
     def record(self, key: RawKey, mode: str, tree: Any, leaves: list) -> None:
-        """Adds one contribution; for append, `leaves` carry a leading axis."""
+        """Adds one contribution; for append, `leaves` carry a leading axis.
+
+        Contributions come in evaluation order; the record keeps program
+        order. For a site evaluated backward (`runs_backward`) an append
+        contribution goes first and a clobber record keeps the first one
+        evaluated: the last in program order, the one whose value is reaped.
+        """
         old = self.records.get(key)
         if old is None:
             self.records[key] = Record(mode, tree, [list(leaves)])
@@ -145,8 +202,11 @@ class Run:
                 f"sow its own name (for a block called repeatedly, wrap each call "
                 f"in lh.nest(block, scope=...)), or use mode='clobber' (keep the "
                 f"last) or mode='append' (stack them).")
+        backward = runs_backward(key)
         if mode == "clobber":
-            old.chunks = [list(leaves)]
+            if not backward or old.seeded:
+                old.chunks = [list(leaves)]
+                old.seeded = False
             return
         shapes = [(x.shape[1:], x.dtype) for x in old.chunks[0]]
         if shapes != [(x.shape[1:], x.dtype) for x in leaves]:
@@ -154,7 +214,16 @@ class Run:
                 f"{where}: mode='append' values must all have one shape "
                 f"and dtype; got {shapes} and "
                 f"{[(x.shape[1:], x.dtype) for x in leaves]}.")
-        old.chunks.append(list(leaves))
+        if backward:
+            old.chunks.insert(0, list(leaves))
+        else:
+            old.chunks.append(list(leaves))
+
+    def record_all(self, key: RawKey, record: Record) -> None:
+        """Adds the contributions of a nested run's record, in program order."""
+        chunks = record.chunks[::-1] if runs_backward(key) else record.chunks
+        for c in chunks:
+            self.record(key, record.mode, record.tree, c)
 
     def sites(self) -> list[Site]:
         return [Site(k, r.mode, r.tree, tuple(jax.typeof(x) for x in r.leaves()))
@@ -188,18 +257,19 @@ class Run:
         if not h.owns(params):
             return sow_p.bind(*vals, **params) if self.keep_other_tags else vals
         key = raw_key(params)
-        plant = self.plants.get(key)
         if params["recompute"]:
-            # A copy rematerialized by jax.checkpoint: planted, never counted.
-            return self.apply_plant(key, plant, vals, advance=False)
+            # A copy rematerialized by jax.checkpoint: planted like its
+            # original, never counted.
+            return self.replay(key, params, vals)
         if not h.selects(params):
             return sow_p.bind(*vals, **params)
-        mode = params["mode"]
+        plant = self.plants.get(key)
         if plant is not None:
-            return self.apply_plant(key, plant, vals)
+            return self.apply_plant(key, plant, vals, params.get("remat", ()))
         if self.pass_through:
             return sow_p.bind(*vals, **dict(params, effect=params["tag"] in active_tags()))
         if self.want(key):
+            mode = params["mode"]
             leaves = [x[None] for x in vals] if mode == "append" else vals
             self.record(key, mode, params["tree"], leaves)
             if self.track_sown and mode == "clobber":
@@ -207,19 +277,72 @@ class Run:
         return vals
 
     def apply_plant(self, key: RawKey, plant: Plant | None, vals: list,
-                    advance: bool = True) -> list:
+                    tokens: tuple = ()) -> list:
+        """Plants the next occurrence of `key` (in evaluation order).
+
+        An append plant gives it its row in program order; an additive
+        clobber plant is added at the last occurrence in program order only.
+        `tokens`: this occurrence is the original of rematerialized copies.
+        """
         if plant is None:
             return vals
+        done = self.cursor.get(key, 0)
+        self.cursor[key] = done + 1
+        row = plant.row(done, runs_backward(key))
         if plant.mode == "append":
-            i = self.cursor.get(key, 0)
-            if advance:
-                self.cursor[key] = i + 1
-            new = [p[i] for p in plant.leaves]
+            how = Replay(row)
         else:
-            new = list(plant.leaves)
+            how = Replay(None, not plant.additive or row == plant.count - 1)
+        for t in tokens:
+            self.replays.setdefault((t, key), []).append(how)
+        return how.apply(plant, vals)
+
+    def replay(self, key: RawKey, params: dict, vals: list) -> list:
+        """A rematerialized copy: planted as its original was."""
+        token = params["recompute"]
+        plant = self.replay_plants.get((token, key), self.plants.get(key))
+        if plant is None:
+            return vals
+        stack = self.replays.get((token, key))
+        if stack and isinstance(stack[-1], Replay):
+            how = stack.pop()
+        else:  # no original seen (a copy outside the program that planted it)
+            how = Replay(min(self.cursor.get(key, 0), plant.leaves[0].shape[0] - 1)
+                         if plant.mode == "append" else None)
+        for t in params.get("remat", ()):
+            self.replays.setdefault((t, key), []).append(how)
+        return how.apply(plant, vals)
+
+
+@attrs.frozen
+class Replay:
+    """How one planted occurrence was planted: its row (append), or whether
+    the plant applied at all (clobber)."""
+
+    row: int | None
+    applied: bool = True
+
+    def apply(self, plant: Plant, vals: list) -> list:
+        if not self.applied:
+            return vals
+        new = list(plant.leaves) if self.row is None else [p[self.row] for p in plant.leaves]
         if plant.additive or plant.add:
             return [v + p.astype(v.dtype) for v, p in zip(vals, new)]
         return [p.astype(v.dtype) for v, p in zip(vals, new)]
+
+
+@attrs.frozen
+class ScanReplay:
+    """The planted occurrences of one (token, key) in a scan: the scan's plant
+    operand for the key (rows `start:start + n` of an append plant, reshaped
+    per iteration; a clobber plant at the highest index; or the plant itself,
+    when it is not sliced) and the body's replays."""
+
+    start: int | None
+    n: int
+    per_iter: int
+    length: int
+    entries: tuple
 
 
 def bind(eqn: _jax.JaxprEqn, invals: list, params: dict | None = None) -> list:

@@ -70,10 +70,11 @@ def _shard_map(run: Run, eqn: _jax.JaxprEqn, invals: list, *, in_specs, out_spec
         _jax.local_aval(mesh, manual, check, sp, x)
         for sp, x in zip(plant_specs, ops.leaves)]
     with inside():
-        body, _inner = trace_body(
+        body, inner = trace_body(
             run, jaxpr, (), in_avals,
             lambda extra: run.nested(ops.plants(run.plants, extra, drop_device_axis)),
             len(ops.leaves))
+    run.cursor.update(inner.cursor)  # the body's occurrences are counted
     out_axes: list = []
 
     def fn(*args):
