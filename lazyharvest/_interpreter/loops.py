@@ -240,13 +240,7 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, length,
         [jax.typeof(c) for c in body.consts] + body_avals[:num_consts + num_carry]
         + clob_avals + body_avals[num_consts + num_carry:] + xs_avals)
     assert not consts
-    params = dict(eqn.params, jaxpr=_jax.ClosedJaxpr(new_jaxpr, ()),
-                  num_consts=nb + num_consts, num_carry=num_carry + len(clob_avals))
-    if "linear" in eqn.params:
-        lin = tuple(eqn.params["linear"])
-        params["linear"] = ((False,) * nb + lin[:num_consts + num_carry]
-                            + (False,) * len(clob_avals) + lin[num_consts + num_carry:]
-                            + (False,) * len(plant_xs))
+    params = _scan_params(eqn.params, new_jaxpr, nb, len(clob_avals), len(plant_xs))
     # The clobber carry starts from the sites' earlier values (a scan of
     # length 0 keeps them); a reverse scan's flags start unset.
     init = [x for s in clob for x in (
@@ -258,7 +252,25 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, length,
     n_app = sum(len(s.avals) for s in app)
     carry_out, clob_out, ys, app_out = split_list(
         outs, [num_carry, len(clob_avals), len(outs) - num_carry - len(clob_avals) - n_app])
-    for s, leaves in zip(clob, per_site(clob, clob_out[:n_clob])):
+    _record_scan_sites(run, clob, app, clob_out[:n_clob], app_out, reverse)
+    return [*carry_out, *ys]
+
+
+def _scan_params(p: dict, new_jaxpr: _jax.Jaxpr, nb: int, n_clob: int, n_xs: int) -> dict:
+    """The scan's params with `nb` consts, `n_clob` carries and `n_xs` xs added."""
+    nc, ncarry = p["num_consts"], p["num_carry"]
+    params = dict(p, jaxpr=_jax.ClosedJaxpr(new_jaxpr, ()),
+                  num_consts=nb + nc, num_carry=ncarry + n_clob)
+    if "linear" in p:
+        lin = tuple(p["linear"])
+        params["linear"] = ((False,) * nb + lin[:nc + ncarry] + (False,) * n_clob
+                            + lin[nc + ncarry:] + (False,) * n_xs)
+    return params
+
+
+def _record_scan_sites(run: Run, clob: list[Site], app: list[Site], clob_out: list,
+                       app_out: list, reverse: bool) -> None:
+    for s, leaves in zip(clob, per_site(clob, clob_out)):
         if reverse and is_sown(s.key):
             if run.track_sown:  # sown here, or before the scan
                 before = incoming(run, s)[0]
@@ -268,7 +280,6 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, length,
     for s, leaves in zip(app, per_site(app, app_out)):
         # (length, n per iteration, ...) -> (length * n, ...), by iteration index
         run.record(s.key, "append", s.tree, [merge_leading(x) for x in leaves])
-    return [*carry_out, *ys]
 
 
 EVAL_RULES[_jax.scan_p] = _scan
