@@ -136,8 +136,6 @@ _DOCS: dict[str, dict[str, str]] = {
                "the batched inputs is broadcast, so `reap(vmap(f)) = vmap(reap(f))` "
                "(plain `jax.vmap` always puts a site's batch axis first).",
         returns=": the batched function",
-        raises=" Collectives over `axis_name` inside `fun` are not supported while "
-               "a harvest is traced.",
         example=_F + """\
 >>> d = lh.reap(lh.vmap(f, in_axes=0, out_axes=-1), tag="t")(jnp.ones((3, 7)))
 >>> print(d["x3"].shape, d["vmap", "x3"].shape)
