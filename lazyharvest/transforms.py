@@ -126,7 +126,9 @@ _DOCS: dict[str, dict[str, str]] = {
         example=_F + """\
 >>> d = lh.reap(lh.hessian(f), tag="t")(2.)
 >>> print(d["x3"], d["hessian", "x3"])
-8.0 12.0"""),
+8.0 12.0
+>>> print(lh.hessian(f)(2.))  # outside a harvest: jax.hessian
+12.0"""),
     "vmap": dict(
         summary="batching that batches each site like the output.",
         chosen="`\"vmap\"` is structural: keys with and without it are aliases of "
@@ -156,6 +158,8 @@ _DOCS: dict[str, dict[str, str]] = {
                "`tangents`; leaving it out gives the site's plain (primal) value.",
         returns=": `(primals_out, tangents_out)`, and `aux` when `has_aux=True`",
         example=_F + """\
+>>> print(*lh.jvp(f, (2.,), (1.,)))  # outside a harvest: jax.jvp
+9.0 12.0
 >>> d = lh.reap(lambda x: lh.jvp(f, (x,), (1.,)), tag="t")(2.)
 >>> print(d["x3"], d["jvp", "x3"])
 8.0 12.0"""),

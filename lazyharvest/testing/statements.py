@@ -46,7 +46,8 @@ CONSTRUCTS = frozenset({
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """``UNARY[fn](v[src])``."""
+    """``UNARY[fn](v[src])``: an elementwise function of one variable, keeping
+    its shape (a vector stays a vector)."""
 
     fn: str
     src: int
