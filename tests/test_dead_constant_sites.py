@@ -148,7 +148,8 @@ def ppo(x, e=None):
     advantages); with `e`, the same loss with perturbations added at the sites
     (the plain-JAX definition of their cotangents)."""
     e = e or {}
-    sow = (lambda v, name: v + e.get(name, 0.)) if e else (lambda v, name: lh.sow(v, tag="t", name=name))
+    def sow(v, name):
+        return v + e.get(name, 0.) if e else lh.sow(v, tag="t", name=name)
     c = sow(C0, "c")
     adv = sow(lax.stop_gradient(jnp.tanh(x) * 3.), "adv")
     y = sow(jnp.sin(x), "y")
