@@ -275,6 +275,10 @@ def register_bind_hook(prim: Primitive, make_rule: Callable[[Callable], Callable
     def base(trace, args, avals, params):
         return default(prim, trace, args, avals, params)
     prim.def_bind_with_trace(make_rule(base))
+    # The hook's frames are not the user's: keep them out of eqns' source info.
+    for path in (__file__, make_rule.__code__.co_filename):
+        if path not in _source_info_util._exclude_paths:
+            _source_info_util.register_exclusion(path)
 
 
 def register_linearization(prim: Primitive, rule: Callable) -> None:
