@@ -115,6 +115,11 @@ def register_remat_rule(prim: Primitive, rule: Callable) -> None:
     pe.partial_eval_jaxpr_custom_rules[prim] = rule
 
 
+def remat_rule(prim: Primitive) -> Callable:
+    """The rule `register_remat_rule` registered for `prim`."""
+    return pe.partial_eval_jaxpr_custom_rules[prim]
+
+
 def replace_eqn_params(eqn: JaxprEqn, **params: Any) -> JaxprEqn:
     return new_jaxpr_eqn(eqn.invars, eqn.outvars, eqn.primitive,
                          dict(eqn.params, **params), eqn.effects,
