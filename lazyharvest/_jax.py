@@ -158,6 +158,11 @@ def register_remat_rule(prim: Primitive, rule: Callable) -> None:
     pe.partial_eval_jaxpr_custom_rules[prim] = rule
 
 
+def remat_rule(prim: Primitive) -> Callable:
+    """The rule `register_remat_rule` registered for `prim`."""
+    return pe.partial_eval_jaxpr_custom_rules[prim]
+
+
 def replace_eqn_params(eqn: JaxprEqn, **params: Any) -> JaxprEqn:
     return new_jaxpr_eqn(eqn.invars, eqn.outvars, eqn.primitive,
                          dict(eqn.params, **params), eqn.effects,
@@ -422,6 +427,10 @@ def register_bind_hook(prim: Primitive, make_rule: Callable[[Callable], Callable
     def base(trace, args, avals, params):
         return default(prim, trace, args, avals, params)
     prim.def_bind_with_trace(make_rule(base))
+    # The hook's frames are not the user's: keep them out of eqns' source info.
+    for path in (__file__, make_rule.__code__.co_filename):
+        if path not in _source_info_util._exclude_paths:
+            _source_info_util.register_exclusion(path)
 
 
 def register_linearization(prim: Primitive, rule: Callable) -> None:

@@ -9,7 +9,9 @@ Two design points keep it both faithful and free:
 
 * While a harvest of its tag is being traced, the eqn carries an unordered
   effect, so no DCE pass of JAX drops it (unused sites, tangent sides of
-  `linearize`, bodies of `grad(scan)`...).
+  `linearize`, bodies of `grad(scan)`...). Outside a harvest, the rules of
+  `derivative_sites.py` keep dead and constant sites in the programs JAX's
+  differentiation makes.
 * Otherwise it is bound without an effect: a top-level `jax.jit` keeps its C++
   dispatch fast path (an effect costs ~10x dispatch) and lowers it to nothing.
   In eager mode it binds nothing at all. The set of harvested tags is part of
@@ -121,7 +123,8 @@ def _transpose(cts, *args, path, **params):
         # Nothing can record this site (no harvest of its tag is traced, and
         # no differentiation would carry it into another program): it is the
         # identity, and a zero stays symbolic (no FLOPs on zeros). The
-        # cotangent of a constant site reaches nothing upstream: drop it.
+        # cotangent of a constant site (`constant`: see derivative_sites.py)
+        # reaches nothing upstream: drop it.
         if params.get("constant"):
             return [_jax.Zero(a.aval) if _jax.ad.is_undefined_primal(a) else None
                     for a in args]
@@ -167,204 +170,6 @@ _jax.ad.primitive_transposes[sow_p] = _transpose
 _jax.register_batcher(sow_p, _batch)
 _jax.register_remat_rule(sow_p, _remat_partial_eval)
 _jax.keep_in_scan_loops(sow_p, SowEffect, lambda params: params["effect"])
-
-
-# --- dead and constant sites under JAX's differentiation ----------------------
-# A site is a site of every program a transformation makes, whether or not the
-# output uses it (dead) and whether or not it depends on the differentiated
-# inputs (constant). Outside a harvest the eqns carry no effect, so JAX would
-# drop the first and never differentiate the second; these rules prevent both
-# at trace time only (a cached jit dispatch never binds `sow`).
-
-def _is_derivative(params: dict) -> bool:
-    path = params["path"]
-    return bool(path) and path[-1] in (JVP, VJP)
-
-
-def _linearize(is_vjp, nonzeros, *primals, path, **params):
-    """`jax.linearize`/`jax.vjp`: the primal site now, the tangent site on the
-    tangent trace, kept there until the trace ends even if nothing uses it."""
-    del is_vjp, nonzeros
-    outs = sow_p.bind(*primals, path=path + (PRIMAL,), **params)
-
-    def linearized(residuals, *tangents):
-        del residuals
-        tangents = [_jax.ad.instantiate_zeros(t) for t in tangents]
-        with _jax.keep_staged(_holds_tangent_sites):
-            return sow_p.bind(*tangents, path=path + (JVP,), **params)
-    return outs, [True] * len(outs), [], linearized
-
-
-def _dce(used_outputs, eqn):
-    # A tangent or cotangent site is kept even when nothing uses it: the linear
-    # and backward functions of jax.linearize / jax.vjp made outside a harvest
-    # still hold it. Primal sites without an effect go as usual.
-    if _is_derivative(eqn.params):
-        return [True] * len(eqn.invars), eqn
-    return _jax.default_dce_rule(used_outputs, eqn)
-
-
-_HOLDS: dict = {}  # (id(jaxpr), tangent only) -> (jaxpr, found)
-
-
-def _jaxpr_holds(jaxpr, tangent: bool) -> bool:
-    hit = _HOLDS.get((id(jaxpr), tangent))
-    if hit is not None and hit[0] is jaxpr:
-        return hit[1]
-    found = any(_eqn_holds(e, tangent) for e in jaxpr.eqns)
-    if len(_HOLDS) > 4096:
-        _HOLDS.clear()
-    _HOLDS[(id(jaxpr), tangent)] = (jaxpr, found)
-    return found
-
-
-def _eqn_holds(eqn, tangent: bool) -> bool:
-    if eqn.primitive is sow_p:
-        return _is_derivative(eqn.params) or not tangent
-    return _bodies_hold(eqn.params, tangent)
-
-
-def _bodies_hold(params: dict, tangent: bool) -> bool:
-    """Some body among `params` holds a site (a tangent/cotangent one)."""
-    for v in params.values():
-        for x in v if isinstance(v, (tuple, list)) else (v,):
-            j = getattr(x, "jaxpr", x)  # a ClosedJaxpr's jaxpr, or a Jaxpr
-            if isinstance(j, _jax.Jaxpr) and _jaxpr_holds(j, tangent):
-                return True
-    return False
-
-
-def _holds_tangent_sites(eqn) -> bool:
-    """`eqn` is, or holds in a body, a tangent/cotangent site."""
-    return _eqn_holds(eqn, True)
-
-
-def _bodies_hold_tangent_sites(params: dict) -> bool:
-    return _bodies_hold(params, True)
-
-
-def _make_bind(default):
-    def bind_with_trace(trace, args, avals, params):
-        kind = _jax.differentiation_kind(trace)
-        if kind is None:
-            if _jax.folds_constants(trace, args) and (
-                    params["effect"] or _is_derivative(params)):
-                # jax.ensure_compile_time_eval: a harvested site (or a
-                # derivative site) is staged, so it can be reaped and planted.
-                return _jax.stage_unfolded(trace, sow_p, args, params)
-            return default(trace, args, avals, params)
-        if (any(_jax.has_tangent(trace, x) for x in args)
-                or not any(_jax.differentiable(a) for a in avals)):
-            return default(trace, args, avals, params)
-        return _constant_site(default, kind, trace, args, avals, params)
-    return bind_with_trace
-
-
-def _constant_site(default, kind, trace, args, avals, params):
-    """A site none of whose inputs has a tangent at this level of
-    differentiation: JAX would bind it on the parent trace and skip its rules.
-    It gets a zero tangent instead, like any site whose tangent is zero."""
-    if kind == "vjp" and _jax.under_eager_shard_map(trace):
-        return default(trace, args, avals, params)  # eager shard_map refuses refs
-    args = [_jax.primal_of(trace, x) for x in args]  # tracers of `trace` with zero tangents
-    path = params["path"]
-    rest = {k: v for k, v in params.items() if k != "path"}
-    with _jax.current_trace(_jax.parent_trace(trace)):
-        outs = sow_p.bind(*args, path=path + (PRIMAL,), **rest)
-    if kind == "jvp" and not _jax.records_program(trace):
-        return outs  # eager jax.jvp: nothing could record the zero
-    floats = [_jax.differentiable(a) for a in avals]
-    with _jax.current_trace(_jax.tangent_trace(trace)), _jax.no_constant_folding(), \
-            _jax.keep_staged(_holds_tangent_sites):
-        if kind == "vjp":
-            # Reverse mode: a zero the backward pass treats as linear, flowing
-            # on as the site's tangent, so the site's cotangent (d out / d site)
-            # arrives and is recorded like any other.
-            zeros = [_jax.linear_zero(a) if f else _jax.zeros_tangent(a)
-                     for a, f in zip(avals, floats)]
-            tangents = sow_p.bind(*zeros, path=path + (JVP,), **rest, constant=True)
-            return [_jax.with_tangent(trace, x, t) if f else x
-                    for x, t, f in zip(outs, tangents, floats)]
-        # Forward mode: record a zero tangent; downstream the tangent stays a
-        # symbolic zero, so the program does no arithmetic on it.
-        zeros = [_jax.zeros_tangent(a) for a in avals]
-        sow_p.bind(*zeros, path=path + (JVP,), **rest)
-    return outs
-
-
-def _partial_eval(trace, *tracers, **params):
-    # JAX's partial evaluation (jax.checkpoint's transpose,
-    # jax.linear_transpose) keeps tangent and cotangent sites nobody uses.
-    if _is_derivative(params):
-        return _jax.partial_eval_kept(trace, sow_p, tracers, params)
-    return trace.default_process_primitive(sow_p, list(tracers), params)
-
-
-def _checkpointed(rule):
-    """sow's rule for jax.checkpoint's partial evaluation, given `rule`.
-
-    jax.checkpoint differentiates its body with jvp, then splits it into a
-    forward part and a (rematerialized) linear part. The zero tangent recorded
-    for a constant site (`_constant_site`) has no unknown input, so it would
-    land in the forward part and show as a tangent under reverse mode, where
-    no cotangent can reach it: it is left out. Constant sites in a
-    checkpointed function get no derivative keys under `jax.linearize`,
-    `jax.vjp` or `jax.grad` (docs/semantics.md).
-    """
-    def remat_rule(saveable, unks_in, inst_in, eqn):
-        path = eqn.params["path"]
-        if path and path[-1] == JVP and not any(unks_in):
-            n = len(eqn.outvars)
-            return None, None, [False] * n, [False] * n, []
-        return rule(saveable, unks_in, inst_in, eqn)
-    return remat_rule
-
-
-def _make_body_bind(default):
-    """The bind hook of jit, scan and cond: one none of whose inputs has a
-    tangent at a level of differentiation is skipped by JAX's rules as a
-    whole, so the sites in its body would never meet that level. If the body
-    holds sites, one input gets a zero tangent, and the sites inside are then
-    dead or constant sites of that level like any other."""
-    def bind_with_trace(trace, args, avals, params):
-        kind = _jax.differentiation_kind(trace)
-        if (kind is None or any(_jax.has_tangent(trace, x) for x in args)
-                or not _bodies_hold(params, False)):
-            return default(trace, args, avals, params)
-        if kind == "jvp" and not (active_tags() or _jax.under_linearization(trace)):
-            # jax.jvp's values are recorded only by a harvest (a jitted jvp is
-            # retraced when one starts): no arithmetic on zeros outside one.
-            return default(trace, args, avals, params)
-        for i, a in enumerate(avals):
-            if _jax.differentiable(a):
-                args = list(args)
-                args[i] = _jax.with_zero_tangent(trace, args[i], linear=kind == "vjp")
-                break
-        return default(trace, args, avals, params)
-    return bind_with_trace
-
-
-_jax.register_linearization(sow_p, _linearize)
-_jax.register_dce_rule(sow_p, _dce)
-_jax.register_partial_eval_rule(sow_p, _partial_eval)
-_jax.register_remat_rule(sow_p, _checkpointed(_remat_partial_eval))
-_jax.register_bind_hook(sow_p, _make_bind)
-
-
-def _transposes_sites(params: dict) -> bool:
-    """A body holding tangent sites, transposed while a harvest is traced."""
-    return bool(active_tags()) and _bodies_hold_tangent_sites(params)
-
-
-for _prim in (_jax.jit_p, _jax.scan_p, _jax.cond_p):
-    _jax.wrap_linearization(_prim, _holds_tangent_sites)
-    _jax.wrap_dce_rule(_prim, _holds_tangent_sites)
-for _prim in (_jax.jit_p, _jax.scan_p, _jax.cond_p):
-    _jax.wrap_transpose(_prim, _transposes_sites)
-# (Not while_loop: JAX cannot differentiate one in reverse mode, nor split one
-# for jax.linearize; nor jax.checkpoint, whose constant sites have no keys.)
-for _prim in (_jax.jit_p, _jax.scan_p, _jax.cond_p):
-    _jax.register_bind_hook(_prim, _make_body_bind)
 
 
 def _check_leaf(leaf: Any, tag: Hashable, name: str) -> Any:

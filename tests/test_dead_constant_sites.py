@@ -148,8 +148,8 @@ def ppo(x, e=None):
     advantages); with `e`, the same loss with perturbations added at the sites
     (the plain-JAX definition of their cotangents)."""
     e = e or {}
-    sow = ((lambda v, name: v + e.get(name, 0.)) if e
-           else (lambda v, name: lh.sow(v, tag="t", name=name)))
+    def sow(v, name):
+        return v + e.get(name, 0.) if e else lh.sow(v, tag="t", name=name)
     c = sow(C0, "c")
     adv = sow(lax.stop_gradient(jnp.tanh(x) * 3.), "adv")
     y = sow(jnp.sin(x), "y")
@@ -412,3 +412,24 @@ def test_complex_site_grad_leaf():
     hf = lambda w: jnp.sum(lh.sow(w * w, tag="t", name="w2"))  # noqa: E731
     d = reaped(lh.grad(hf, holomorphic=True), w)
     close(d["grad", "w2"], jax.jacrev(lambda w: w * w, holomorphic=True)(w))
+
+
+# --- known bugs: each flips to XPASS (and fails, strict) when fixed ---------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "reverse over reverse: the outer cotangent of a constant clobber site in a "
+    "scan is that of a perturbation at every occurrence, not only the last: JAX "
+    "hoists the loop-invariant residual out of the loop (as for "
+    "test_bug_invariant_append_site_under_grad in test_laws.py)"))
+def test_bug_constant_clobber_site_in_scan_under_reverse_over_reverse():
+    def f(x, e=None):
+        def body(carry, i):
+            c = (C0 + jnp.where(i == 2, 1., 0.) * e if e is not None
+                 else lh.sow(C0, tag="t", name="c", mode="clobber"))
+            return carry + 0.1 * c * jnp.sin(carry), None
+        return jnp.sum(lax.scan(body, x, jnp.arange(3))[0])
+
+    def outer(x, e=None):
+        return jnp.sum(jax.grad(f)(x, e))
+    want = jax.grad(lambda e: outer(X, e))(jnp.zeros(3))
+    close(reaped(jax.grad(outer), X)["primal", "vjp", "c"], want)
