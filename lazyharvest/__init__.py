@@ -7,7 +7,9 @@ transformation path whose leaves are computed only when read.
 import os as _os
 
 from lazyharvest import _jax
-from lazyharvest import derivative_sites as _derivative_sites  # noqa: F401  (registers sow's rules)
+
+if _jax.DERIVATIVE_SITES:  # dead and constant sites under JAX's differentiation
+    from lazyharvest import derivative_sites as _derivative_sites  # noqa: F401  (registers rules)
 from lazyharvest._version import __version__
 from lazyharvest.api import call_and_reap, harvest, nest, plant, reap
 from lazyharvest.delayed import DelayedDict, HarvestKeyError

@@ -55,6 +55,11 @@ def require(version: Sequence[int], feature: str) -> None:
 
 require(MIN_JAX_VERSION, "lazyharvest")
 
+# Dead and constant sites keep their tangent/cotangent sites through rules that
+# use jax 0.10's differentiation internals (LinearizeTrace.is_vjp, bind hooks
+# with avals); on older JAX those sites behave as before (docs/compat.md).
+DERIVATIVE_SITES = JAX_VERSION >= (0, 10)
+
 # --- imports (from here on, names present in every supported version) ------------
 
 from jax._src import config as _config  # noqa: E402
@@ -419,14 +424,24 @@ def _jax_batching_private():
 # them). The helpers below let `sow` give a constant site a (zero) tangent and
 # keep a tangent site alive in the linear program until its trace ends.
 
+_BIND_TAKES_AVALS = "avals" in __import__("inspect").signature(
+    _core.Primitive.bind_with_trace).parameters
+
+
 def register_bind_hook(prim: Primitive, make_rule: Callable[[Callable], Callable]) -> None:
     """Every bind of `prim` goes through `make_rule(default)(trace, args, avals,
     params)`; `default` is JAX's own `bind_with_trace`."""
     default = _core.Primitive.bind_with_trace
-
-    def base(trace, args, avals, params):
-        return default(prim, trace, args, avals, params)
-    prim.def_bind_with_trace(make_rule(base))
+    if _BIND_TAKES_AVALS:
+        def base(trace, args, avals, params):
+            return default(prim, trace, args, avals, params)
+        prim.def_bind_with_trace(make_rule(base))
+    else:  # jax < 0.9: bind_with_trace(trace, args, params), no avals
+        def base(trace, args, avals, params):
+            return default(prim, trace, args, params)
+        rule = make_rule(base)
+        prim.def_bind_with_trace(lambda trace, args, params: rule(
+            trace, args, tuple(jax.typeof(x) for x in args), params))
     # The hook's frames are not the user's: keep them out of eqns' source info.
     for path in (__file__, make_rule.__code__.co_filename):
         if path not in _source_info_util._exclude_paths:
