@@ -31,9 +31,16 @@ needs_derivative_sites = pytest.mark.skipif(
 FAST_CONSTRUCTS = {"cond", "scan", "while", "jit", "checkpoint"}
 
 
+# Known bug (test_regression_invariant_append_site_under_grad): reverse mode.
+INVARIANT_BUG = pytest.mark.xfail(_jax.DERIVATIVE_SITES, strict=True,
+                                  reason="invariant append site hoisted under grad")
+
+
 def constructs(names):
-    return [pytest.param(c, marks=() if c in FAST_CONSTRUCTS else slow)
-            for c in sorted(names)]
+    def marks(c):
+        out = [] if c in FAST_CONSTRUCTS else [slow]
+        return out + [INVARIANT_BUG] * (c == "invariant_append_site")
+    return [pytest.param(c, marks=marks(c)) for c in sorted(names)]
 
 HAS_TRANSFORMS = all(hasattr(lh, n) for n in ("vmap", "jit", "grad", "jacfwd", "jacrev"))
 needs_transforms = pytest.mark.xfail(not HAS_TRANSFORMS, reason="needs recorded transforms",
