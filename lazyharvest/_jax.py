@@ -455,6 +455,9 @@ def register_linearization(prim: Primitive, rule: Callable) -> None:
     _ad.primitive_linearizations[prim] = rule
 
 
+linearization_rules = _ad.primitive_linearizations  # (tests remove sow's to break it)
+
+
 def register_dce_rule(prim: Primitive, rule: Callable) -> None:
     """`rule(used_outputs, eqn) -> (used_inputs, eqn or None)`."""
     pe.dce_rules[prim] = rule

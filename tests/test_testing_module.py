@@ -18,6 +18,7 @@ from jax import lax
 
 import lazyharvest as lh
 from helpers import X, fresh_victim, simplest_with
+from lazyharvest import _jax
 from lazyharvest import testing as T
 from lazyharvest._jax import ad as _ad  # the one module that touches JAX internals
 from lazyharvest.primitive import JVP, PRIMAL, VJP, sow_p
@@ -133,6 +134,8 @@ def tangents_doubled(monkeypatch):
         reaped = sow_p.bind(*[2 * t for t in ts], path=path + (JVP,), **params)
         return outs, [r / 2 for r in reaped]
     monkeypatch.setitem(_ad.primitive_jvps, sow_p, broken)
+    # jax.linearize / jax.vjp use sow's linearization rule, where installed
+    monkeypatch.delitem(_jax.linearization_rules, sow_p, raising=False)
 
 
 @pytest.fixture
