@@ -652,10 +652,16 @@ def wrap_dce_rule(prim: Primitive, keep: Callable[[JaxprEqn], bool]) -> None:
     pe.dce_rules[prim] = rule
 
 
-def register_partial_eval_rule(prim: Primitive, rule: Callable) -> None:
-    """`rule(trace, *tracers, **params)` for JAX's partial evaluation
-    (`JaxprTrace`: `jax.checkpoint`'s transpose, `jax.linear_transpose`...)."""
-    _pe.custom_partial_eval_rules[prim] = rule
+def register_partial_eval_rule(prim: Primitive, make_rule: Callable) -> None:
+    """`make_rule(previous)` gives `rule(trace, *tracers, **params)` for JAX's
+    partial evaluation (`JaxprTrace`: `jax.checkpoint`'s transpose,
+    `jax.linear_transpose`, scan's loop-invariant hoisting...). `previous` is
+    the rule it replaces (JAX's default if none), so that rules compose."""
+    previous = _pe.custom_partial_eval_rules.get(prim)
+    if previous is None:
+        def previous(trace, *tracers, **params):
+            return trace.default_process_primitive(prim, list(tracers), params)
+    _pe.custom_partial_eval_rules[prim] = make_rule(previous)
 
 
 def partial_eval_kept(trace: Any, prim: Primitive, tracers: Sequence[Any],

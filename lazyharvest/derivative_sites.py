@@ -139,12 +139,15 @@ def _constant_site(default, kind, trace, args, avals, params):
     return outs
 
 
-def _partial_eval(trace, *tracers, **params):
-    # JAX's partial evaluation (jax.checkpoint's transpose,
-    # jax.linear_transpose) keeps tangent and cotangent sites nobody uses.
-    if _is_derivative(params):
-        return _jax.partial_eval_kept(trace, sow_p, tracers, params)
-    return trace.default_process_primitive(sow_p, list(tracers), params)
+def _make_partial_eval(previous):
+    """JAX's partial evaluation (jax.checkpoint's transpose,
+    jax.linear_transpose) keeps tangent and cotangent sites nobody uses;
+    primal sites keep `previous`, which holds them inside scan loops."""
+    def partial_eval(trace, *tracers, **params):
+        if _is_derivative(params):
+            return _jax.partial_eval_kept(trace, sow_p, tracers, params)
+        return previous(trace, *tracers, **params)
+    return partial_eval
 
 
 def _checkpointed(rule):
@@ -193,7 +196,7 @@ def _make_body_bind(default):
 
 _jax.register_linearization(sow_p, _linearize)
 _jax.register_dce_rule(sow_p, _dce)
-_jax.register_partial_eval_rule(sow_p, _partial_eval)
+_jax.register_partial_eval_rule(sow_p, _make_partial_eval)
 _jax.register_remat_rule(sow_p, _checkpointed(_jax.remat_rule(sow_p)))
 _jax.register_bind_hook(sow_p, _make_bind)
 

@@ -418,14 +418,11 @@ def test_complex_site_grad_leaf():
     close(d["grad", "w2"], jax.jacrev(lambda w: w * w, holomorphic=True)(w))
 
 
-# --- known bugs: each flips to XPASS (and fails, strict) when fixed ---------------
+# --- regressions ---------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "reverse over reverse: the outer cotangent of a constant clobber site in a "
-    "scan is that of a perturbation at every occurrence, not only the last: JAX "
-    "hoists the loop-invariant residual out of the loop (as for "
-    "test_bug_invariant_append_site_under_grad in test_laws.py)"))
-def test_bug_constant_clobber_site_in_scan_under_reverse_over_reverse():
+def test_regression_constant_clobber_site_in_scan_under_reverse_over_reverse():
+    # The outer cotangent was that of a perturbation at every occurrence, not
+    # only the last: the loop-invariant site was hoisted out of the scan.
     def f(x, e=None):
         def body(carry, i):
             c = (C0 + jnp.where(i == 2, 1., 0.) * e if e is not None

@@ -3,9 +3,7 @@ and hand-written models.
 
 Where the contract's statement of a law is narrowed, a `test_narrowed_*` test
 shows the counterexample. Bugs the laws found (since fixed) stay as
-`test_regression_*` tests. A law that finds a new bug gets an
-`xfail(strict=True)` test with a minimal reproducer, and the property tests
-leave out the construct that triggers it, with a comment naming that test.
+`test_regression_*` tests, with a minimal reproducer checked against plain JAX.
 """
 
 import jax
@@ -31,20 +29,11 @@ needs_derivative_sites = pytest.mark.skipif(
 FAST_CONSTRUCTS = {"cond", "scan", "while", "jit", "checkpoint"}
 
 
-# Known bug (test_regression_invariant_append_site_under_grad): reverse mode.
-INVARIANT_BUG = pytest.mark.xfail(_jax.DERIVATIVE_SITES, strict=True,
-                                  reason="invariant append site hoisted under grad")
-
-
 def constructs(names):
     def marks(c):
-        out = [] if c in FAST_CONSTRUCTS else [slow]
-        return out + [INVARIANT_BUG] * (c == "invariant_append_site")
+        return [] if c in FAST_CONSTRUCTS else [slow]
     return [pytest.param(c, marks=marks(c)) for c in sorted(names)]
 
-HAS_TRANSFORMS = all(hasattr(lh, n) for n in ("vmap", "jit", "grad", "jacfwd", "jacrev"))
-needs_transforms = pytest.mark.xfail(not HAS_TRANSFORMS, reason="needs recorded transforms",
-                                     strict=False)
 
 
 # Few, small examples: every example compiles a handful of XLA programs.
@@ -76,7 +65,6 @@ def test_law2_jvp(pa):
     T.check_jvp(p.fn, *args, tag=p.tag)
 
 
-@needs_transforms
 @FEW
 @slow
 @given(st.data())
@@ -96,7 +84,6 @@ def test_law4_jit(pa):
     T.check_jit(p.fn, *args, tag=p.tag)
 
 
-@needs_transforms
 @FEWER
 @slow
 @given(program_and_args())
@@ -107,8 +94,8 @@ def test_law4_recorded_jit(pa):
 
 @FEW
 @slow
-# no reverse mode through while_loop; invariant append sites: a known bug
-@given(program_and_args(exclude={"while", "invariant_append_site"}))
+# no reverse mode through while_loop
+@given(program_and_args(exclude={"while"}))
 def test_law5_vjp(pa):
     p, args = pa
     T.check_vjp(p.fn, *args, tag=p.tag)
@@ -159,7 +146,7 @@ def test_law7_lazy_equals_direct_definition(pa):
 
 @FEW
 @slow
-@given(program_and_args(exclude={"while", "invariant_append_site"}))
+@given(program_and_args(exclude={"while"}))
 def test_law7_reverse_mode_keys(pa):
     p, args = pa
     T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices, perturb=p.perturb)
@@ -167,7 +154,7 @@ def test_law7_reverse_mode_keys(pa):
 
 @needs_derivative_sites
 @FEW
-@given(program_and_args(exclude={"while", "checkpoint", "invariant_append_site"}))
+@given(program_and_args(exclude={"while", "checkpoint"}))
 def test_law7_strict_keys(pa):
     # every derivative key, dead and constant sites included (SPEC 9)
     p, args = pa
@@ -175,7 +162,6 @@ def test_law7_strict_keys(pa):
                  strict_keys=True)
 
 
-@needs_transforms
 @FEWER
 @slow
 @given(st.data())
@@ -212,7 +198,7 @@ def test_every_law_on_construct(construct):
     reverse = p.reverse_differentiable
     report = T.check_all(p.fn, *args, tag=p.tag, slices=p.slices, laws=laws,
                          perturb=p.perturb if reverse else None)
-    expected = laws - ({3} if not HAS_TRANSFORMS else set())
+    expected = set(laws)
     if not p.reverse_differentiable:
         expected -= {5}  # no reverse mode through while_loop
     assert set(report.passed()) == expected, str(report)
@@ -304,7 +290,7 @@ def test_check_all_on_model(name):
                          perturb=lambda eps, *a: oracle(eps, *a)[0])
     ran = set(report.passed())
     assert {1, 2, 4, 5, 6, 7, 8, 9} <= ran, str(report)
-    assert (3 in ran) == HAS_TRANSFORMS, str(report)
+    assert 3 in ran, str(report)
 
 
 # --- where SPEC's statement is narrowed (docs/laws.md) ---------------------------------
@@ -454,11 +440,6 @@ def test_regression_dead_cond_site_in_checkpoint_after_scan():
     np.testing.assert_array_equal(d["vjp"]["o"], jnp.zeros(3))
 
 
-@pytest.mark.xfail(_jax.DERIVATIVE_SITES, strict=True, reason=(
-    "known bug: an append site whose value its scan does not change is hoisted "
-    "out of the loop under jax.grad (1 row instead of one per iteration). The "
-    "scan-hoisting guard fixes it on its own; with the dead/constant-site "
-    "partial-eval rules (jax >= 0.10) it is hoisted again"))
 def test_regression_invariant_append_site_under_grad():
     # An append site in a scan whose value the scan does not change was
     # hoisted out of the loop by JAX's partial evaluation under jax.grad:
@@ -492,7 +473,6 @@ def test_regression_clobber_in_scan_plant_into_backward():
     T.check_vjp(f, jnp.array([2., 3., 4.]), tag="t")
 
 
-@needs_transforms
 def test_regression_jit_around_transform_around_jit():
     # lh.jit(T(lh.jit(f))) dropped the recorded transform T in between (no
     # ("grad", ...) keys; the out_axes of an lh.vmap there ignored).
