@@ -356,12 +356,13 @@ def record(name: str, f: Callable, kwargs: dict, args: tuple, fkwargs: dict,
     operands = [*consts, *flat, *jax.tree_util.tree_leaves(extra)]
     inner = lambda *a: _jax.eval_jaxpr(jaxpr, (), *a)
     with _applying():
-        shape = jax.eval_shape(lambda *a: transform.call(inner, a), *operands)
-    leaves, out_tree = jax.tree_util.tree_flatten(shape)
+        # the output types as JAX gives them, with the mesh axes they vary
+        # over inside a shard_map body (eval_shape's shapes would drop them)
+        traced, shape = jax.make_jaxpr(lambda *a: transform.call(inner, a),
+                                       return_shape=True)(*operands)
+    out_tree = jax.tree_util.tree_structure(shape)
     outs = recorded_p.bind(*operands, jaxpr=jaxpr, transform=transform,
-                           out_avals=tuple(jax.typeof(x) if not isinstance(
-                               x, jax.ShapeDtypeStruct) else _jax_aval(x)
-                               for x in leaves))
+                           out_avals=tuple(traced.out_avals))
     return jax.tree_util.tree_unflatten(out_tree, outs)
 
 
@@ -375,10 +376,6 @@ def _per_example_avals(vmap_kwargs: dict, args: tuple, fkwargs: dict) -> tuple[l
     kw = {n: v for n, v in vmap_kwargs.items() if n != "out_axes"}
     size = jax.eval_shape(lambda *a, **k: jax.vmap(probe, **kw)(*a, **k), *args, **fkwargs)
     return seen[0], size.shape[0]
-
-
-def _jax_aval(s: jax.ShapeDtypeStruct) -> Any:
-    return jax.core.ShapedArray(s.shape, s.dtype, weak_type=getattr(s, "weak_type", False))
 
 
 # --- the harvest rules for recorded_p ---------------------------------------------

@@ -106,3 +106,32 @@ def test_append_inside_shard_map(mesh):
     got = lh.reap(sm, tag="t")(x)["a"]
     assert got.shape == (12, 2)
     close(np.asarray(got)[:3], np.array([[0., 1.], [1., 2.], [3., 4.]]))
+
+
+def test_recorded_transforms_inside_shard_map_body(mesh):
+    # lh.grad / lh.vmap / lh.jit inside a shard_map body crashed with JAX's
+    # "pvary is a invariant->variant collective" error: the recorded eqn's
+    # output types lacked the mesh axes its values vary over.
+    def inner(a):
+        return jnp.sum(sow(jnp.sin(a), tag="t", name="s") ** 2)
+    bodies = {
+        "grad": lambda a: lh.grad(inner)(a),
+        "vmap": lambda a: jnp.repeat(lh.vmap(inner)(a.reshape(2, 2)), 2),
+        "jit": lambda a: lh.jit(inner)(a) * jnp.ones(4),
+    }
+    x = jax.device_put(jnp.arange(16.) / 8, NamedSharding(mesh, P("x")))
+    blocks = np.asarray(x).reshape(4, 4)  # one row per device along "x"
+    for name, body in bodies.items():
+        sm = jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        out, d = lh.call_and_reap(sm, tag="t")(x)
+        close(out, sm(x))
+        if name == "vmap":
+            close(d["s"], np.sin(blocks).reshape(4, 2, 2))
+        else:
+            close(d["s"], np.sin(blocks))
+        if name == "grad":  # the Jacobian of each device's site, stacked
+            close(d["grad", "s"], np.stack([np.diag(np.cos(b)) for b in blocks]))
+        planted = lh.plant(sm, tag="t")({"s": jnp.ones_like(d["s"])}, x)
+        # a planted site is a constant: no gradient flows through it
+        want = {"grad": 0., "vmap": 2., "jit": 4.}[name]
+        close(planted, np.full(16, want))
