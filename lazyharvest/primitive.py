@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
@@ -276,7 +277,9 @@ def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
 # sow is zeros for that element (the batching rule cannot see its earlier
 # value; `lh.vmap` keeps it). Branches this cannot cut (sites inside other
 # higher-order primitives, append or strict sites only some branches sow,
-# shared sites in different orders) are batched as JAX does.
+# shared sites in different orders) are refused while their tag is harvested
+# (JAX's batching would sow every branch's sites) and batched as JAX does
+# otherwise.
 
 class _Stop(Exception):
     """Raised when a branch reaches the site where its stage ends."""
@@ -420,6 +423,39 @@ def _site_identity(params: dict) -> dict:
     return dict(params, recompute=bool(params["recompute"]), remat=())
 
 
+_APPLYING = threading.local()
+
+
+@contextlib.contextmanager
+def applying_recorded() -> Iterator[None]:
+    """The library is applying a recorded transformation itself: the values of
+    the sites it batches are reaped by the harvest's own rules, not from JAX's
+    batching of a cond."""
+    _APPLYING.depth = getattr(_APPLYING, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _APPLYING.depth -= 1
+
+
+def _refuse(branches: tuple, why: str) -> None:
+    """Branches the stages cannot cut: JAX would run every branch and sow each
+    branch's sites, whatever branch an element takes. Silently wrong values
+    for a harvested site: an error instead (sites of other tags are inert)."""
+    if getattr(_APPLYING, "depth", 0):
+        return
+    for b in branches:
+        for p in _sows(b.jaxpr):
+            if p["effect"]:
+                raise HarvestError(
+                    f"harvest of tag {p['tag']!r}: site {p['name']!r} is sown in a "
+                    f"branch of a lax.cond/switch whose predicate jax.vmap batches, and "
+                    f"{why}. JAX would run every branch and sow each one's sites, so "
+                    f"the reaped values would be wrong. Use lh.vmap instead of "
+                    f"jax.vmap around the harvested code (it keeps the cond), or sow "
+                    f"outside the branches.")
+
+
 def _make_cond_batcher(original: Callable) -> Callable:
     def rule(axis_data: Any, args: list, dims: list, *, branches: tuple,
              **params: Any) -> Any:
@@ -427,9 +463,14 @@ def _make_cond_batcher(original: Callable) -> Callable:
         if dims[0] is None or not any(True for b in branches for _ in _sows(b.jaxpr)):
             return unstaged()
         found = [_site_order(b.jaxpr) for b in branches]
-        orders = [o for o in found if o is not None]
-        merged = _merge(orders) if len(orders) == len(found) else None
+        if any(o is None for o in found):
+            _refuse(branches, "a site in a branch sits inside another higher-order "
+                    "primitive (a scan, a loop, a nested cond, jax.checkpoint or a "
+                    "custom rule)")
+            return unstaged()
+        merged = _merge(found)
         if merged is None:
+            _refuse(branches, "the branches sow shared sites in different orders")
             return unstaged()
         sites, owns = merged
         site_avals: list = []  # per site, the avals of its leaves
@@ -438,10 +479,14 @@ def _make_cond_batcher(original: Callable) -> Callable:
         for k, p in enumerate(sites):
             having = [i for i, own in enumerate(owns) if k in own]
             if p["mode"] != "clobber" and len(having) < len(branches):
+                _refuse(branches, f"only some branches sow the {p['mode']} site "
+                        f"{p['name']!r}")
                 return unstaged()
             stages = {i: _stage(branches[i], owns[i], k, site_avals) for i in having}
             shapes = [[(a.shape, a.dtype) for a in s.out_avals] for s in stages.values()]
             if any(x != shapes[0] for x in shapes):
+                _refuse(branches, f"the branches sow {p['name']!r} with different "
+                        f"shapes or dtypes")
                 return unstaged()
             site_avals.append(list(stages[having[0]].out_avals))
             stages.update({i: _stage(b, owns[i], k, site_avals)

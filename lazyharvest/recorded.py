@@ -37,7 +37,7 @@ from lazyharvest._interpreter import (
 )
 from lazyharvest.errors import HarvestError
 from lazyharvest.keys import Label
-from lazyharvest.primitive import active_tags
+from lazyharvest.primitive import active_tags, applying_recorded
 
 DIFFERENTIAL = ("grad", "value_and_grad", "jacfwd", "jacrev", "hessian")
 STRUCTURAL = ("jit", "vmap")
@@ -280,7 +280,8 @@ def _applying() -> Iterator[None]:
     rules may then transform nested recorded eqns)."""
     _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
     try:
-        yield
+        with applying_recorded():
+            yield
     finally:
         _LOCAL.depth -= 1
 

@@ -470,3 +470,32 @@ def test_diffrax_direct_adjoint():
     expected = jax.grad(perturbed_at(t_last), argnums=1)(0.5, jnp.zeros(2))
     close(d["vjp", "y"], expected)
     assert float(jnp.abs(expected).min()) > 0.01
+
+
+def test_vmap_cond_branches_it_cannot_cut_are_refused_not_wrong():
+    # JAX batches such a cond by running every branch and sowing each one's
+    # sites, whatever branch an element takes: the reaped values were silently
+    # the last branch's. Now a HarvestError; lh.vmap keeps the cond and is right.
+    def in_scan(p, x):
+        def hot(v):
+            body = lambda c, _: (sow(jnp.sin(c), "s"), None)  # noqa: E731
+            return lax.scan(body, v, None, length=2)[0]
+        return lax.cond(p > 0, hot, lambda v: sow(v * 2, "s"), x)
+
+    def append_in_one(p, x):
+        return lax.cond(p > 0, lambda v: sow(v, "a", mode="append"), lambda v: v, x)
+
+    def strict_orders(p, x):
+        two = lambda v, m, n: sow(sow(v, m, "strict") + 1, n, "strict")  # noqa: E731
+        return lax.cond(p > 0, lambda v: two(v, "u", "w"), lambda v: two(v, "w", "u"), x)
+
+    P = jnp.array([1., -1., 1.])
+    for fn, words in ((in_scan, ["'s'", "higher-order", "lh.vmap"]),
+                      (append_in_one, ["'a'", "only some branches", "append"]),
+                      (strict_orders, ["different orders"])):
+        raises(words, lh.reap(jax.vmap(fn), tag="t"), P, X)
+        close(lh.reap(jax.vmap(fn), tag="other")(P, X).compute(), {})  # other tags: inert
+        close(jax.vmap(fn)(P, X), jnp.stack([fn(p, x) for p, x in zip(P, X)]))
+    # lh.vmap keeps the cond: each element's branch, zeros where it sows none
+    d = lh.reap(lh.vmap(in_scan), tag="t")(P, X)
+    close(d["s"], jnp.where(P > 0, jnp.sin(jnp.sin(X)), 2 * X))
