@@ -468,7 +468,7 @@ def _make_cond_batcher(original: Callable) -> Callable:
                     "primitive (a scan, a loop, a nested cond, jax.checkpoint or a "
                     "custom rule)")
             return unstaged()
-        merged = _merge(found)
+        merged = _merge([o for o in found if o is not None])
         if merged is None:
             _refuse(branches, "the branches sow shared sites in different orders")
             return unstaged()
