@@ -332,3 +332,47 @@ def test_law5_holds_for_repeated_sites(structure, mode):
     # (b) for an append site whose occurrences do not feed each other (a clobber
     # plant replaces every occurrence: its gradient sums their cotangents)
     testing.check_vjp(two, X, tag="t", keys=["v"] if mode == "append" else None)
+
+
+# --- a clobber cotangent from a later backward pass ----------------------------------
+
+def _inner_loss(v, e=0.):
+    """The function each inner `jax.grad` differentiates; `e` perturbs its site."""
+    return jnp.sum((jnp.sin(v) + e) ** 2)
+
+
+def _sown_inner_loss(v):
+    return jnp.sum(lh.sow(jnp.sin(v), tag="t", name="c", mode="clobber") ** 2)
+
+
+def _site_cotangent(v):
+    """d inner loss / d site at input `v`, by perturbation (plain JAX)."""
+    return jax.grad(lambda e: _inner_loss(v, e))(jnp.zeros_like(v))
+
+
+@pytest.mark.parametrize("where", ["straight", "scan", "cond"])
+def test_clobber_cotangent_of_a_later_backward_pass_replaces_an_earlier_one(where):
+    # Each jax.grad in the program runs its own backward pass. A clobber
+    # cotangent kept the first pass's occurrence (that of the sow *before*
+    # a later grad, a scan body or a cond branch that differentiates again);
+    # the reaped one is that of the last occurrence in program order.
+    grad_in = jax.grad(_sown_inner_loss)
+    grad_plain = jax.grad(_inner_loss)
+
+    def program(x, inner):
+        y = inner(x)
+        if where == "straight":
+            return inner(2 * y), 2 * y
+        if where == "scan":
+            def body(c, k):
+                return c + inner(c * k), c * k
+            c, ins = lax.scan(body, y, jnp.arange(1., 4.))
+            return c, ins[-1]
+        return lax.cond(jnp.sum(y) > -9., lambda c: (c + inner(c * 3), c * 3),
+                        lambda c: (c, c), y)
+
+    out, last_input = program(X, grad_plain)
+    d = lh.reap(lambda x: program(x, grad_in)[0], tag="t")(X)
+    close(d["vjp", "c"], _site_cotangent(last_input))
+    close(d["c"], jnp.sin(last_input))
+    close(program(X, grad_in)[0], out)

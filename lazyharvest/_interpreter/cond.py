@@ -116,6 +116,8 @@ def _cond(run: Run, eqn: _jax.JaxprEqn, invals: list, *, branches, **_) -> list:
     outs = bind(eqn, [index, *all_consts, *through, *ops],
                 dict(eqn.params, branches=new_branches))
     n_out = bodies[0].n_out
+    for _body, branch_run in traced:
+        run.begin_passes(branch_run.primal_sown)
     merge(run, order, outs[n_out:])
     # Append sites are sown alike in every branch; a planted clobber site
     # counts as often as the branch that sows it most (`count_occurrences`).

@@ -76,6 +76,7 @@ def _custom_planted(run: Run, eqn: _jax.JaxprEqn, invals: list,
 
     if any(run.want(k) for k in counts):
         _, inner = planted(*invals, *ops.leaves)
+        run.begin_passes(inner.primal_sown)
         for k, r in inner.records.items():
             run.record_all(k, r)
     for k in ops.keys:

@@ -252,6 +252,7 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, length,
     n_app = sum(len(s.avals) for s in app)
     carry_out, clob_out, ys, app_out = split_list(
         outs, [num_carry, len(clob_avals), len(outs) - num_carry - len(clob_avals) - n_app])
+    run.begin_passes(inner.primal_sown)
     _record_scan_sites(run, clob, app, clob_out[:n_clob], app_out, reverse)
     return [*carry_out, *ys]
 

@@ -183,6 +183,8 @@ def trace_body(run: Run, jaxpr: _jax.Jaxpr, consts: Sequence[Any],
 def finish(run: Run, body: Body, outs: list, inner: Run | None = None) -> list:
     """Records a body's site outputs and returns its own outputs."""
     own, leaves = body.split_outs(outs)
+    if inner is not None:
+        run.begin_passes(inner.primal_sown)
     merge(run, body.sites, leaves)
     if inner is not None:
         run.cursor.update(inner.cursor)

@@ -10,7 +10,7 @@ that holds sites goes to its rule in `EVAL_RULES`, keyed by the primitive.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from lazyharvest import _jax
 from lazyharvest._interpreter.sites import Harvest, RawKey, contains_sites, raw_key
 from lazyharvest.errors import HarvestError
-from lazyharvest.keys import VJP, Label
+from lazyharvest.keys import PRIMAL, VJP, Label
 from lazyharvest.primitive import active_tags, sow_p
 
 
@@ -149,6 +149,9 @@ class Run:
         # for harvests outside it.
         self.pass_through = pass_through
         self.records: dict[RawKey, Record] = {}
+        # primal keys sown in this run: each starts a new forward pass for
+        # its cotangent site (`begin_passes`)
+        self.primal_sown: set[RawKey] = set()
         self.replays: dict[tuple, list] = {} if replays is None else replays
         self.replay_plants: dict[tuple, Plant] = replay_plants or {}
 
@@ -219,6 +222,21 @@ class Run:
         else:
             old.chunks.append(list(leaves))
 
+    def begin_passes(self, primal_keys: Iterable[RawKey]) -> None:
+        """A primal occurrence of a site begins a new pass for its cotangent:
+        a clobber cotangent evaluated backward keeps the first contribution of
+        one backward pass (the last occurrence in program order), but a later
+        pass (another `jax.grad` after this one, or inside a loop body)
+        replaces it."""
+        for key in primal_keys:
+            path, scopes, name = key
+            if not path or path[-1] != PRIMAL:
+                continue
+            self.primal_sown.add(key)
+            dual = self.records.get((path[:-1] + (VJP,), scopes, name))
+            if dual is not None and dual.mode == "clobber":
+                dual.seeded = True
+
     def record_all(self, key: RawKey, record: Record) -> None:
         """Adds the contributions of a nested run's record, in program order."""
         chunks = record.chunks[::-1] if runs_backward(key) else record.chunks
@@ -263,6 +281,7 @@ class Run:
             return self.replay(key, params, vals)
         if not h.selects(params):
             return sow_p.bind(*vals, **params)
+        self.begin_passes((key,))
         plant = self.plants.get(key)
         if plant is not None:
             return self.apply_plant(key, plant, vals, params.get("remat", ()))
