@@ -295,6 +295,23 @@ def _check_while_modes(h: Harvest, body: Body) -> None:
                 f"the last value) is allowed there.")
 
 
+def _forwarded(body: Body, n_carry: int) -> dict[int, int]:
+    """Site leaves (by index) that the body returns unchanged as carry `j`
+    and whose earlier value it never reads: the loop's own carry holds them,
+    so they need no carry of their own."""
+    jaxpr = body.jaxpr
+    n = body.n_site_leaves
+    seeds = jaxpr.invars[len(jaxpr.invars) - n:]
+    read = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, _jax.Var)}
+    own, leaves = jaxpr.outvars[:n_carry], jaxpr.outvars[n_carry:]
+    read |= {v for v in own if isinstance(v, _jax.Var)}
+    out: dict[int, int] = {}
+    for m, (v, seed_var) in enumerate(zip(leaves, seeds)):
+        if isinstance(v, _jax.Var) and seed_var not in read and v in own:
+            out[m] = own.index(v)
+    return out
+
+
 def _while(run: Run, eqn: _jax.JaxprEqn, invals: list, *, cond_jaxpr, body_jaxpr,
            cond_nconsts, body_nconsts, **_) -> list:
     cond_c, body_c, init = split_list(invals, [cond_nconsts, body_nconsts])
@@ -311,17 +328,45 @@ def _while(run: Run, eqn: _jax.JaxprEqn, invals: list, *, cond_jaxpr, body_jaxpr
     # predicate. They are consumed (identity) like filtered sites.
     cond, _inner = trace_body(run.nested(), cond_jaxpr.jaxpr, cond_jaxpr.consts,
                          invar_avals(cond_jaxpr.jaxpr))
+    ncarry = len(init)
+    fwd = _forwarded(body, ncarry)
     site_avals = [a for s in body.sites for a in s.avals]
-    nb, ncc, ncarry = len(body.consts), len(cond.consts), len(init)
-    carry_avals = body_avals[body_nconsts:] + site_avals
+    kept = [m for m in range(len(site_avals)) if m not in fwd]
+    # The site carry starts from the sites' earlier values: a loop whose body
+    # never runs keeps them, and so does a nested loop.
+    earlier = [x for s in body.sites for x in incoming(run, s)]
+    params = _while_params(eqn.params, body, cond, cond_jaxpr, body_avals, site_avals,
+                           kept, cond_nconsts, body_nconsts, ncarry)
+    outs = bind(eqn, [*cond.consts, *cond_c, *body.consts, *body_c, *init,
+                      *[earlier[m] for m in kept]], params)
+    leaves = dict(zip(kept, outs[ncarry:]))
+    if fwd:  # a forwarded site is the carry's last value if the body ran at all
+        ran = _jax.eval_jaxpr(cond.jaxpr, (), *cond.consts, *cond_c, *init)[0]
+        leaves.update({m: jnp.where(ran, outs[j], earlier[m]) for m, j in fwd.items()})
+    merge(run, body.sites, [leaves[m] for m in range(len(site_avals))], replace=True)
+    return outs[:ncarry]
+
+
+def _while_params(p: dict, body: Body, cond: Body, cond_jaxpr, body_avals: list,
+                  site_avals: list, kept: list, cond_nconsts: int, body_nconsts: int,
+                  ncarry: int) -> dict:
+    """The harvested loop's params: the carry grows by the kept site leaves."""
+    nb, ncc = len(body.consts), len(cond.consts)
+    carry_avals = body_avals[body_nconsts:] + [site_avals[m] for m in kept]
+    n_in = len(body.jaxpr.invars) - len(site_avals)
 
     def new_cond(*args):
         c, carry, _rest = split_list(args, [ncc + cond_nconsts, ncarry])
         return _jax.eval_jaxpr(cond.jaxpr, (), *c, *carry)[:1]
 
     def new_body(*args):
-        # The body's last inputs are its sites' values from the last iteration.
-        return _jax.eval_jaxpr(body.jaxpr, (), *args)
+        # The body's last inputs are its kept sites' values from the last
+        # iteration; a forwarded site's is never read.
+        seeds = dict(zip(kept, args[n_in:]))
+        full = [seeds[m] if m in seeds else jnp.zeros(a.shape, a.dtype)
+                for m, a in enumerate(site_avals)]
+        outs = _jax.eval_jaxpr(body.jaxpr, (), *args[:n_in], *full)
+        return outs[:ncarry] + [outs[ncarry + m] for m in kept]
 
     cjaxpr, k1 = _jax.trace_flat(
         new_cond, [jax.typeof(c) for c in cond.consts]
@@ -330,16 +375,9 @@ def _while(run: Run, eqn: _jax.JaxprEqn, invals: list, *, cond_jaxpr, body_jaxpr
         new_body, [jax.typeof(c) for c in body.consts]
         + body_avals[:body_nconsts] + carry_avals)
     assert not k1 and not k2
-    params = dict(eqn.params, cond_jaxpr=_jax.ClosedJaxpr(cjaxpr, ()),
-                  body_jaxpr=_jax.ClosedJaxpr(bjaxpr, ()),
-                  cond_nconsts=ncc + cond_nconsts, body_nconsts=nb + body_nconsts)
-    # The site carry starts from the sites' earlier values: a loop whose body
-    # never runs keeps them, and so does a nested loop.
-    earlier = [x for s in body.sites for x in incoming(run, s)]
-    outs = bind(eqn, [*cond.consts, *cond_c, *body.consts, *body_c, *init,
-                      *earlier], params)
-    merge(run, body.sites, outs[ncarry:], replace=True)
-    return outs[:ncarry]
+    return dict(p, cond_jaxpr=_jax.ClosedJaxpr(cjaxpr, ()),
+                body_jaxpr=_jax.ClosedJaxpr(bjaxpr, ()),
+                cond_nconsts=ncc + cond_nconsts, body_nconsts=nb + body_nconsts)
 
 
 EVAL_RULES[_jax.while_p] = _while
