@@ -268,7 +268,8 @@ def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
 # JAX turns such a cond into "run every branch, then select". A site in each
 # branch would then be sown once per branch, and a copy sown after the select
 # would be dead: reverse mode and plants would not reach the program. Instead
-# the branches are cut at their sites (also inside `jax.jit` calls there),
+# the branches are cut at their sites (also inside `jax.jit` calls and
+# `jax.checkpoint` there),
 # merged into one order: stage k runs every branch up to site k, JAX selects
 # the value each element's branch sows there, that value is sown once, and the
 # sown value is what the later stages of every branch go on with. The site
@@ -308,11 +309,15 @@ def _sows(jaxpr: Any) -> Iterator[dict]:
 
 
 def _inlined(eqn: Any) -> Any:
-    """The closed jaxpr of a call the stages look into, else None."""
+    """The closed jaxpr of a call the stages look into, else None. A
+    `jax.checkpoint` counts as a call: its stages run inline (same values and
+    derivatives; inside such a cond the branches save what they compute)."""
     if eqn.primitive is _jax.jit_p:
         return eqn.params["jaxpr"]
     if eqn.primitive is _jax.closed_call_p:
         return eqn.params["call_jaxpr"]
+    if eqn.primitive is _jax.remat_p:
+        return _jax.ClosedJaxpr(eqn.params["jaxpr"], ())
     return None
 
 
@@ -465,8 +470,7 @@ def _make_cond_batcher(original: Callable) -> Callable:
         found = [_site_order(b.jaxpr) for b in branches]
         if any(o is None for o in found):
             _refuse(branches, "a site in a branch sits inside another higher-order "
-                    "primitive (a scan, a loop, a nested cond, jax.checkpoint or a "
-                    "custom rule)")
+                    "primitive (a scan, a loop, a nested cond or a custom rule)")
             return unstaged()
         merged = _merge([o for o in found if o is not None])
         if merged is None:

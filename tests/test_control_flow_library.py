@@ -499,3 +499,23 @@ def test_vmap_cond_branches_it_cannot_cut_are_refused_not_wrong():
     # lh.vmap keeps the cond: each element's branch, zeros where it sows none
     d = lh.reap(lh.vmap(in_scan), tag="t")(P, X)
     close(d["s"], jnp.where(P > 0, jnp.sin(jnp.sin(X)), 2 * X))
+
+
+def test_vmap_cond_with_checkpointed_branches_keeps_cotangents_and_plants():
+    # Sites inside jax.checkpoint in the branches: the stages look into the
+    # checkpoint (run inline), so the site is each element's taken branch.
+    def f(p, x, e=None):
+        def branch(fn):
+            def run(v):
+                h = fn(v)
+                return (sow(h, "s") if e is None else h + e) ** 2
+            return jax.checkpoint(run)
+        return lax.cond(p > 0, branch(jnp.sin), branch(lambda v: 3 * v), x)
+
+    P = jnp.array([1., -1., 1.])
+    loss = lambda xs: jnp.sum(jax.vmap(f)(P, xs))  # noqa: E731
+    d = lh.reap(jax.grad(loss), tag="t")(X)
+    close(d["s"], jnp.where(P > 0, jnp.sin(X), 3 * X))
+    want = jax.grad(lambda e: jnp.sum(jax.vmap(f)(P, X, e)))(jnp.zeros(3))
+    close(d["vjp", "s"], want)
+    close(lh.plant(loss, tag="t")({"s": jnp.array([1., 2., 3.])}, X), 14.)
