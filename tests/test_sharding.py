@@ -116,7 +116,7 @@ def test_recorded_transforms_inside_shard_map_body(mesh):
         return jnp.sum(sow(jnp.sin(a), tag="t", name="s") ** 2)
     bodies = {
         "grad": lambda a: lh.grad(inner)(a),
-        "vmap": lambda a: jnp.repeat(lh.vmap(inner)(a.reshape(2, 2)), 2),
+        "vmap": lambda a: jnp.concatenate([lh.vmap(inner)(a.reshape(2, 2))] * 2),
         "jit": lambda a: lh.jit(inner)(a) * jnp.ones(4),
     }
     x = jax.device_put(jnp.arange(16.) / 8, NamedSharding(mesh, P("x")))
@@ -124,7 +124,7 @@ def test_recorded_transforms_inside_shard_map_body(mesh):
     for name, body in bodies.items():
         sm = jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
         out, d = lh.call_and_reap(sm, tag="t")(x)
-        close(out, sm(x))
+        close(out, jax.jit(sm)(x))  # (eager shard_map of a grad fails on jax 0.8)
         if name == "vmap":
             close(d["s"], np.sin(blocks).reshape(4, 2, 2))
         else:
