@@ -295,6 +295,36 @@ def test_zero_length_reverse_scan_keeps_earlier_value():
     close(lh.reap(f, tag="t")(1., jnp.zeros(0))["c"], 5.)
 
 
+def _sown_then_zero_length_scan(x, e=0.):
+    """A clobber name sown before a scan of length 0 that sows it too; `e`
+    perturbs the occurrence before the scan (plain JAX when given)."""
+    y = jnp.sin(x) + e if isinstance(e, jax.Array) else sow(jnp.sin(x), "c")
+    body = (lambda c, _: (c * 2., None)) if isinstance(e, jax.Array) else (
+        lambda c, _: (sow(c * 2., "c"), None))
+    return jnp.sum(lax.scan(body, y, None, length=0)[0] ** 2)
+
+
+def test_zero_length_scan_keeps_the_earlier_cotangent():
+    # The backward pass reached the (transposed, zero-length) scan first and
+    # recorded zeros, which the earlier occurrence's cotangent could not replace.
+    x = jnp.array([.3, .6])
+    want = jax.grad(lambda e: _sown_then_zero_length_scan(x, e))(jnp.zeros(2))
+    close(lh.reap(jax.grad(_sown_then_zero_length_scan), tag="t")(x)["vjp", "c"], want)
+    _, bwd = jax.vjp(_sown_then_zero_length_scan, x)
+    close(lh.reap(bwd, tag="t")(1.)["c"], want)
+
+
+def test_zero_length_scan_plant_into_backward_function():
+    # An additive cotangent planted into the backward function at a clobber
+    # name a zero-length scan also sows raised IndexError; it belongs to the
+    # occurrence before the scan.
+    x = jnp.array([.3, .6])
+    _, bwd = jax.vjp(_sown_then_zero_length_scan, x)
+    ct = jnp.array([1., -2.])
+    want = jax.grad(_sown_then_zero_length_scan)(x) + jnp.cos(x) * ct
+    close(lh.plant(bwd, tag="t")({"c": ct}, 1.)[0], want)
+
+
 # --- loops whose body does not always sow ------------------------------------------------
 
 def test_while_body_cond_that_does_not_always_sow():

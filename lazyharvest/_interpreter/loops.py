@@ -24,6 +24,7 @@ from lazyharvest._interpreter.plumbing import (
     Body,
     incoming,
     invar_avals,
+    lookup,
     merge,
     merge_leading,
     per_site,
@@ -34,6 +35,7 @@ from lazyharvest._interpreter.plumbing import (
 from lazyharvest._interpreter.run import (
     EVAL_RULES,
     Plant,
+    Record,
     Run,
     ScanReplay,
     Site,
@@ -85,7 +87,8 @@ class _ScanPlants:
             run.cursor[k] = done + n
             total = pl.leaves[0].shape[0] if pl.mode == "append" else pl.count
             start = total - done - n if runs_backward(k) else done
-            if pl.mode != "append" and start + n != total:
+            if pl.mode != "append" and (n == 0 or start + n != total):
+                # (a scan of length 0 has no occurrence to add a cotangent at)
                 self.dropped.add(k)
                 continue
             self.keys.append(k)
@@ -252,7 +255,11 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, length,
     n_app = sum(len(s.avals) for s in app)
     carry_out, clob_out, ys, app_out = split_list(
         outs, [num_carry, len(clob_avals), len(outs) - num_carry - len(clob_avals) - n_app])
-    run.begin_passes(inner.primal_sown)
+    if length:
+        run.begin_passes(inner.primal_sown)
+    else:  # no iteration sows: the clobber sites keep their earlier values
+        _placeholders(run, clob)
+        clob, n_clob = [], 0
     _record_scan_sites(run, clob, app, clob_out[:n_clob], app_out, reverse)
     return [*carry_out, *ys]
 
@@ -267,6 +274,15 @@ def _scan_params(p: dict, new_jaxpr: _jax.Jaxpr, nb: int, n_clob: int, n_xs: int
         params["linear"] = ((False,) * nb + lin[:nc + ncarry] + (False,) * n_clob
                             + lin[nc + ncarry:] + (False,) * n_xs)
     return params
+
+
+def _placeholders(run: Run, clob: list[Site]) -> None:
+    """After a scan of length 0, the clobber sites that had no earlier value get
+    zeros that the next occurrence replaces (also where a record evaluated
+    backward keeps its first contribution); the others stay as they were."""
+    for s in clob:
+        if not is_sown(s.key) and lookup(run, s.key) is None:
+            run.records[s.key] = Record(s.mode, s.tree, [zeros(s.avals)], seeded=True)
 
 
 def _record_scan_sites(run: Run, clob: list[Site], app: list[Site], clob_out: list,
