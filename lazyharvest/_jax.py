@@ -68,6 +68,7 @@ from jax._src import effects as _effects  # noqa: E402
 from jax._src import sharding_impls as _sharding_impls  # noqa: E402
 from jax._src import source_info_util as _source_info_util  # noqa: E402
 from jax._src import traceback_util as _traceback_util  # noqa: E402
+from jax._src import tree_util as _tree_util  # noqa: E402
 from jax._src import util as _util  # noqa: E402
 from jax._src.interpreters import ad as _ad  # noqa: E402
 from jax._src.interpreters import partial_eval as _pe  # noqa: E402
@@ -205,9 +206,13 @@ def tracer_is_dead(x: Any) -> bool:
     return True
 
 
-def trace_context() -> Any:
-    """The part of JAX's configuration that jit keys its trace cache on."""
-    return _config.trace_context()
+# The part of JAX's configuration that jit keys its trace cache on (user
+# contexts, lazyharvest's harvest state among them). Bound directly: it runs
+# on every call of a reaped function.
+trace_context: Callable[[], Any] = _config.trace_context
+
+# `jax.tree_util.tree_flatten(tree)` without its Python frame (hot path).
+tree_flatten: Callable[[Any], tuple[list, Any]] = _tree_util.default_registry.flatten
 
 
 def trace_flat(fn: Callable, in_avals: Sequence[Any], name: str = "lazyharvest"
