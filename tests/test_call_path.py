@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import lazyharvest as lh
-from lazyharvest import api, program
 from helpers import CompileCounter, close
+from lazyharvest import api, program
 
 COMPILES = CompileCounter()
 
