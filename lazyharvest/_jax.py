@@ -528,6 +528,14 @@ def zeros_tangent(aval: Any) -> Any:
     return _ad_util.zeros_like_aval(aval.to_tangent_aval())
 
 
+def zeros_like_aval(aval: Any) -> Any:
+    """Zeros of `aval` exactly (weak type, float0, key dtypes), on the
+    current trace: a stand-in for a value only its aval matters of."""
+    from jax._src import ad_util as _ad_util
+
+    return _ad_util.zeros_like_aval(aval)
+
+
 def linear_zero(aval: Any) -> Any:
     """Zeros of the tangent type of `aval`, on the current (tangent) trace of
     a `jax.vjp`, that the backward pass treats as linear: a cotangent reaches

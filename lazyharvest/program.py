@@ -229,7 +229,8 @@ class Traced:
             planted = {k: attrs.evolve(p, count=counts.get(k, 1))
                        for k, p in plants.plants(leaves).items()}
             run = Run(self.harvest, wanted.__contains__, planted,
-                      keep_other_tags=with_out, pass_through=pass_through)
+                      keep_other_tags=with_out, pass_through=pass_through,
+                      outputs_needed=with_out)
             outs = run.eval(closed.jaxpr, closed.consts, args)
             site = [x for k in raw_keys for x in run.records[k].leaves()]
             return [*outs, *site] if with_out else site

@@ -448,14 +448,20 @@ def _recorded(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, transform,
     extra = list(ops.leaves)
     extra_axes = [t.site_axis()] * len(extra) if t.name == "vmap" else []
 
-    def inner_run(ex: Sequence[Any], want: Callable) -> Run:
-        return run.nested(ops.plants(plants, ex), cursor, want=want)
+    def inner_run(ex: Sequence[Any], want: Callable, outputs_needed: bool = True) -> Run:
+        return run.nested(ops.plants(plants, ex), cursor, want=want,
+                          outputs_needed=outputs_needed)
 
     def plain(*flat):
         n = len(flat) - len(extra)
         return inner_run(flat[n:], lambda k: False).eval(jaxpr, (), flat[:n])
 
-    outs = jax.tree_util.tree_leaves(t.call(plain, invals, extra, extra_axes))
+    if run.abstract or run.outputs_unused(eqn):
+        # Only avals matter (an abstract run), or nothing reads the outputs
+        # (a leaf's slice): stand-ins, instead of tracing T of the body.
+        outs = [_jax.zeros_like_aval(v.aval) for v in eqn.outvars]
+    else:
+        outs = jax.tree_util.tree_leaves(t.call(plain, invals, extra, extra_axes))
     wanted = _wanted(run, labels, inner, plants)
     if wanted:
         _record_leaves(run, t, jaxpr, invals, wanted, inner_run, extra, extra_axes)
@@ -473,7 +479,7 @@ def _record_leaves(run: Run, t: Transform, jaxpr: _jax.Jaxpr, invals: list,
 
     def leaf_fn(*flat):
         n = len(flat) - len(extra)
-        child = inner_run(flat[n:], set(request).__contains__)
+        child = inner_run(flat[n:], set(request).__contains__, outputs_needed=False)
         child.eval(jaxpr, (), flat[:n])
         for k in request:
             modes[k] = child.records[k].mode
