@@ -231,8 +231,14 @@ def _jacobian(fn: Callable, args: tuple, kwargs: dict, argnums: Any, wrt: Any,
                 *args, **kwargs)
         else:
             kw = dict(jac_kw, allow_int=True) if mode == "rev" and k.get("allow_int") else jac_kw
-            jac = jax.jacrev if mode == "rev" else jax.jacfwd
-            vals = jac(part, argnums, **kw)(*args, **kwargs)
+            if mode == "rev" and kind == "float" and len(idx) == 1 and outs[idx[0]].shape == ():
+                # One scalar: its Jacobian is its gradient; jax.grad's backward
+                # pass has no basis axis for jacrev's vmap (a smaller program).
+                one = lambda *a, **kw_: part(*a, **kw_)[0]
+                vals = [jax.grad(one, argnums, **kw)(*args, **kwargs)]
+            else:
+                jac = jax.jacrev if mode == "rev" else jax.jacfwd
+                vals = jac(part, argnums, **kw)(*args, **kwargs)
         for i, v in zip(idx, vals):
             result[i] = v
     order = 2 if name == "hessian" else 1
