@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import threading
+from _thread import RLock as _RLock  # threading.RLock, without its Python frame
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -42,9 +42,9 @@ class _Store:
         # Made inside a trace (inputs or closed-over values are tracers): its
         # leaves belong to that trace, and die with it.
         self.traced_inputs = (traced.tracer_consts or _jax.any_tracer(args)
-                              or _jax.any_tracer(plant_leaves))
+                              or (plant_leaves and _jax.any_tracer(plant_leaves)))
         self.values: dict = {}
-        self.lock = threading.RLock()
+        self.lock = _RLock()
 
     @property
     def inputs(self) -> tuple:
@@ -67,33 +67,36 @@ class _Store:
                 flat = prog(*self.args, *self.plant_leaves)
                 value = self.traced.sites[raw].tree.unflatten(flat)
             else:
-                prog, spans = self.traced.plain_program((raw,))
+                hit = self.traced.plain_programs.get((raw,))
+                prog, spans = self.traced.plain_program((raw,)) if hit is None else hit
+                prog.used = True  # see Traced.plain_program
                 flat = prog(*self.args)
-                tree = spans[0][3]
-                value = flat[0] if tree is None else tree.unflatten(flat)
+                value = flat[0] if spans is None else spans[0][3].unflatten(flat)
             if self.traced_inputs or not _jax.any_tracer(flat):
                 self.values[raw] = value
             return value
 
-    def force(self, raw_keys: list) -> dict:
-        """The values of `raw_keys`, computing the missing ones in one program.
+    def force(self, raw_keys: Sequence[Any], unique: bool = False) -> dict:
+        """The values of `raw_keys` (`unique`: listed once each), computing
+        the missing ones in one program.
 
         A DelayedDict made outside any trace but read inside one (`jax.jit`
         of a closure over it) stages its program into that trace and keeps
         nothing: memoizing a tracer would poison it for later reads.
         """
         with self.lock:
-            keys = list(dict.fromkeys(raw_keys)) if len(raw_keys) > 1 else raw_keys
+            keys = (raw_keys if unique or len(raw_keys) < 2
+                    else tuple(dict.fromkeys(raw_keys)))
             if self.traced_inputs and any(map(_jax.tracer_is_dead, self.inputs)):
                 raise self._ended(keys)
             values = self.values
+            missing: Sequence[Any] = keys
+            out: dict = {}
             if values:
                 out = {k: values[k] for k in keys if k in values}
                 if len(out) == len(keys):
                     return out
                 missing = [k for k in keys if k not in out]
-            else:
-                out, missing = {}, keys
             if self.plants.entries:
                 prog = self.traced.program(missing, with_out=False, plants=self.plants)
                 flat = prog(*self.args, *self.plant_leaves)
@@ -102,15 +105,21 @@ class _Store:
                 for k, leaves in zip(missing, chunks):
                     out[k] = sites[k].tree.unflatten(leaves)
             else:
-                prog, spans = self.traced.plain_program(tuple(missing))
+                wanted = tuple(missing)
+                hit = self.traced.plain_programs.get(wanted)
+                prog, spans = self.traced.plain_program(wanted) if hit is None else hit
+                prog.used = True  # see Traced.plain_program
                 flat = prog(*self.args)
-                for k, start, stop, tree in spans:
-                    out[k] = flat[start] if tree is None else tree.unflatten(flat[start:stop])
+                if spans is None:
+                    out.update(zip(missing, flat))
+                else:
+                    for k, start, stop, tree in spans:
+                        out[k] = flat[start] if tree is None else tree.unflatten(flat[start:stop])
             if self.traced_inputs or not _jax.any_tracer(flat):
                 values.update(out)
             return out
 
-    def _ended(self, keys: list) -> HarvestError:
+    def _ended(self, keys: Sequence[Any]) -> HarvestError:
         names = ", ".join(repr(keys_mod.display(self.traced.key_of[k][0])) for k in keys)
         return HarvestError(
             f"harvest of tag {self.traced.harvest.tag!r}: cannot read {names}: the "
@@ -152,9 +161,11 @@ class DelayedDict(Mapping):
     def __init__(self, store: _Store, prefix: tuple = ()):
         self._store = store
         self._prefix = prefix
-        n = len(prefix)
-        index, canonical = store.traced.key_index(store.plants)
-        if n:
+        traced = store.traced
+        both = traced.indexes.get(None) if store.plants is NO_PLANTS else None
+        index, canonical = traced.key_index(store.plants) if both is None else both
+        if prefix:
+            n = len(prefix)
             index = {k[n:]: r for k, r in index.items() if k[:n] == prefix and k[n:]}
             canonical = canonical_keys(index)
         self._leaves, self._canonical = index, canonical
@@ -319,16 +330,19 @@ class DelayedDict(Mapping):
         >>> print(out["x3"], out["grad"]["x3"])
         8.0 12.0
         """
-        wanted, raws = self._plan(keys)
-        values = self._store.force(raws)
+        wanted, raws, unique, names = self._plan(keys)
+        values = self._store.force(unique, unique=True)
+        if names is not None:  # one-part keys: a flat dict
+            return dict(zip(names, map(values.__getitem__, raws)))
         out: dict = {}
         for k, r in zip(wanted, raws):
             _nest(out, k, values[r])
         return out
 
-    def _plan(self, keys: tuple) -> tuple[list, list]:
-        """The user keys `compute(*keys)` returns and the leaf of each; kept
-        per trace, plants and view, so a repeated call looks them up once."""
+    def _plan(self, keys: tuple) -> tuple[list, list, tuple, tuple | None]:
+        """The user keys `compute(*keys)` returns, the leaf of each, the
+        leaves once each, and the keys' names if every key has one part;
+        kept per trace, plants and view, so a repeated call looks them up once."""
         store = self._store
         plans = store.traced.plans
         plan_key: Any = (store.plants if store.plants.entries else None, self._prefix, keys)
@@ -338,7 +352,10 @@ class DelayedDict(Mapping):
             plan = plan_key = None
         if plan is None:
             wanted = self._expand(keys) if keys else list(self._canonical)
-            plan = (wanted, [self._leaves[k] for k in wanted])
+            raws = [self._leaves[k] for k in wanted]
+            flat = all(len(k) == 1 for k in wanted)
+            plan = (wanted, raws, tuple(dict.fromkeys(raws)),
+                    tuple(k[0] for k in wanted) if flat else None)
             if plan_key is not None:
                 if len(plans) >= _PLANS_PER_TRACE:
                     plans.clear()

@@ -177,10 +177,11 @@ class Traced:
             self._evict()
         return prog
 
-    def plain_program(self, raws: tuple) -> tuple[Program, tuple]:
+    def plain_program(self, raws: tuple) -> tuple[Program, tuple | None]:
         """`program(raws, False)` without plants, and where each leaf is in
         its output: `(raw, start, stop, tree)` spans, the tree None for a
-        leaf that is one array. A second index into `programs`: reading
+        leaf that is one array; no spans (None) when every leaf is one array
+        (output i is leaf i). A second index into `programs`: reading
         leaves of a cached key set is one lookup."""
         hit = self.plain_programs.get(raws)
         if hit is not None:
@@ -193,7 +194,7 @@ class Traced:
             stop = start + len(site.avals)
             spans.append((raw, start, stop, None if site.tree == _LEAF else site.tree))
             start = stop
-        hit = (prog, tuple(spans))
+        hit = (prog, None if all(t is None for *_, t in spans) else tuple(spans))
         with self.lock:
             if self.programs.get((raws, False, NO_PLANTS, False)) is prog:
                 self.plain_programs[raws] = hit
