@@ -62,6 +62,7 @@ DERIVATIVE_SITES = JAX_VERSION >= (0, 10)
 
 # --- imports (from here on, names present in every supported version) ------------
 
+from jax._src import array as _array  # noqa: E402
 from jax._src import config as _config  # noqa: E402
 from jax._src import core as _core  # noqa: E402
 from jax._src import effects as _effects  # noqa: E402
@@ -210,6 +211,9 @@ def tracer_is_dead(x: Any) -> bool:
 # contexts, lazyharvest's harvest state among them). Bound directly: it runs
 # on every call of a reaped function.
 trace_context: Callable[[], Any] = _config.trace_context
+
+# The type of concrete jax.Arrays: pytree leaves.
+ArrayImpl: type = _array.ArrayImpl
 
 # `jax.tree_util.tree_flatten(tree)` without its Python frame (hot path).
 tree_flatten: Callable[[Any], tuple[list, Any]] = _tree_util.default_registry.flatten

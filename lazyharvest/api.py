@@ -127,6 +127,7 @@ class _Recent:
 
 
 _aval = operator.attrgetter("aval")
+_ARRAYS = {_jax.ArrayImpl}
 
 
 def reap(f: Callable, *, tag: Hashable, allowlist: Iterable[Any] | None = None,
@@ -195,7 +196,11 @@ def _reaper(f: Callable, h: Harvest, how: _Call) -> Callable[..., DelayedDict]:
     def reaped(*args: Any, **kwargs: Any) -> DelayedDict:
         if kwargs or recent is None:
             return _run(f, h, None, args, kwargs, how)
-        leaves, tree = _jax.tree_flatten(args)
+        leaves: Sequence[Any]
+        if set(map(type, args)) == _ARRAYS:  # concrete arrays: no tree to flatten
+            leaves, tree = args, len(args)
+        else:
+            leaves, tree = _jax.tree_flatten(args)
         try:
             key = (tree, tuple(map(_aval, leaves)))
         except AttributeError:  # not all arrays: the general path

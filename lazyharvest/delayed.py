@@ -33,8 +33,8 @@ class _Store:
     __slots__ = ("traced", "args", "plants", "plant_leaves", "traced_inputs",
                  "values", "lock")
 
-    def __init__(self, traced: Traced, args: list, plants: PlantSpec = NO_PLANTS,
-                 plant_leaves: list | tuple = ()):
+    def __init__(self, traced: Traced, args: Sequence[Any], plants: PlantSpec = NO_PLANTS,
+                 plant_leaves: Sequence[Any] = ()):
         self.traced = traced
         self.args = args
         self.plants = plants

@@ -141,3 +141,13 @@ def test_a_hot_leaf_survives_program_eviction(monkeypatch, counts):
     assert counts["build"] == 6
     assert len(traced.programs) <= 2
     assert set(traced.plain_programs) <= {k[0] for k in traced.programs}
+
+
+def test_pytree_arguments_take_the_short_path_too(counts):
+    reaped = lh.reap(lambda xs, y: f(*xs, y), tag="t")
+    xs, y = [jnp.ones(3), 2 * jnp.ones(3)], 3 * jnp.ones(3)
+    for _ in range(3):
+        close(reaped(xs, y)["a"], want(*xs, y)["a"])
+        close(reaped([x + 1 for x in xs], y)["a"], want(*[x + 1 for x in xs], y)["a"])
+    close(reaped(tuple(xs), y)["a"], want(*xs, y)["a"])  # another tree: traced anew
+    assert counts["trace"] == 2 and counts["lookup"] == 2
