@@ -197,7 +197,8 @@ def _reaper(f: Callable, h: Harvest, how: _Call) -> Callable[..., DelayedDict]:
         if kwargs or recent is None:
             return _run(f, h, None, args, kwargs, how)
         leaves: Sequence[Any]
-        if set(map(type, args)) == _ARRAYS:  # concrete arrays: no tree to flatten
+        concrete = set(map(type, args)) == _ARRAYS
+        if concrete:  # jax.Arrays (no tracers): no tree to flatten
             leaves, tree = args, len(args)
         else:
             leaves, tree = _jax.tree_flatten(args)
@@ -207,7 +208,7 @@ def _reaper(f: Callable, h: Harvest, how: _Call) -> Callable[..., DelayedDict]:
             return _run(f, h, None, args, kwargs, how)
         hit = recent.table.get(key)
         if hit is not None and hit[0] == _jax.trace_context():
-            return DelayedDict(_Store(hit[1], leaves))
+            return DelayedDict(_Store(hit[1], leaves, concrete=concrete))
         return _run(f, h, None, args, kwargs, how, functools.partial(recent.remember, key))
     return reaped
 

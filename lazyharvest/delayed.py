@@ -34,14 +34,15 @@ class _Store:
                  "values", "lock")
 
     def __init__(self, traced: Traced, args: Sequence[Any], plants: PlantSpec = NO_PLANTS,
-                 plant_leaves: Sequence[Any] = ()):
+                 plant_leaves: Sequence[Any] = (), concrete: bool = False):
         self.traced = traced
         self.args = args
         self.plants = plants
         self.plant_leaves = plant_leaves
         # Made inside a trace (inputs or closed-over values are tracers): its
-        # leaves belong to that trace, and die with it.
-        self.traced_inputs = (traced.tracer_consts or _jax.any_tracer(args)
+        # leaves belong to that trace, and die with it. (`concrete`: the
+        # caller knows `args` are arrays, not tracers.)
+        self.traced_inputs = (traced.tracer_consts or (not concrete and _jax.any_tracer(args))
                               or (plant_leaves and _jax.any_tracer(plant_leaves)))
         self.values: dict = {}
         self.lock = _RLock()
