@@ -86,3 +86,21 @@ def test_scalar_gradient_leaf_is_the_size_of_jax_grad():
     assert flops(lazy) <= flops(hand)
     ops = lambda c: sum(1 for line in c.as_text().splitlines() if " = " in line)
     assert ops(lazy) <= ops(hand)
+
+
+def test_outputs_read_outside_a_call_body_are_computed():
+    """A rule that evaluates a call's body with the same run (closed_call):
+    the body's outputs are read outside it."""
+    from lazyharvest import _jax
+
+    def h(x):
+        return lh.sow(jnp.sin(x) * x, tag="t", name="s")
+
+    def f(x):
+        g = _jax.closed_call(lambda v: [lh.grad(h)(v)], x)[0]
+        return lh.sow(2 * g, tag="t", name="after")
+
+    x = jnp.float32(1.5)
+    want = 2 * jax.grad(lambda v: jnp.sin(v) * v)(x)
+    close(lh.reap(f, tag="t")(x)["after"], want)
+    close(lh.reap(f, tag="t")(x).compute("after", ("grad", "s"))["after"], want)

@@ -153,6 +153,7 @@ class Run:
         # not); if not, `outputs_unused` tells which eqns' outputs are dead.
         self.outputs_needed = outputs_needed
         self._used: tuple[Any, set] | None = None  # (jaxpr, vars read)
+        self._own: set = set()  # ids of that jaxpr's eqns
         self.parent = parent
         self.track_sown = track_sown
         # An abstract run only learns the sites' avals: derivative leaves of
@@ -255,15 +256,18 @@ class Run:
 
     def eval(self, jaxpr: _jax.Jaxpr, consts: Sequence[Any],
              args: Sequence[Any]) -> list:
-        if not self.outputs_needed:
+        if not self.outputs_needed and self._used is None:
+            # The first eval is the caller's jaxpr; rules may evaluate bodies
+            # with this run too (calls), whose outputs are read outside them.
             self._used = (jaxpr, set())  # computed when first asked
         return _jax.eval_eqns(jaxpr, consts, args, self.eval_eqn, in_context=True)
 
     def outputs_unused(self, eqn: _jax.JaxprEqn) -> bool:
-        """Whether nothing this run evaluates reads `eqn`'s outputs: the
-        caller does not read the jaxpr's outputs, and no eqn after `eqn` that
-        is kept (one with effects or sites, or whose outputs are read) reads
-        them. Such outputs are dead code in the program being built, and an
+        """Whether nothing this run evaluates reads `eqn`'s outputs: `eqn` is
+        in the jaxpr the run was called on (not in a body a rule evaluates
+        with this run), the caller does not read that jaxpr's outputs, and
+        no eqn after `eqn` that is kept (one with effects or sites, or whose
+        outputs are read) reads them. Such outputs are dead code in the program being built, and an
         eqn holding sites may give stand-ins for them, as long as it need
         not sow again the sites it consumes (`keep_other_tags`,
         `pass_through`)."""
@@ -272,7 +276,9 @@ class Run:
         jaxpr, used = self._used
         if not used:
             used.update(_read_vars(jaxpr, self.harvest.tag))
-        return not any(v in used for v in eqn.outvars)
+            own = {id(e) for e in jaxpr.eqns}
+            self._own = own
+        return id(eqn) in self._own and not any(v in used for v in eqn.outvars)
 
     def eval_eqn(self, eqn: _jax.JaxprEqn, invals: list) -> list:
         prim = eqn.primitive
