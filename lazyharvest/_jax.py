@@ -62,12 +62,14 @@ DERIVATIVE_SITES = JAX_VERSION >= (0, 10)
 
 # --- imports (from here on, names present in every supported version) ------------
 
+from jax._src import array as _array  # noqa: E402
 from jax._src import config as _config  # noqa: E402
 from jax._src import core as _core  # noqa: E402
 from jax._src import effects as _effects  # noqa: E402
 from jax._src import sharding_impls as _sharding_impls  # noqa: E402
 from jax._src import source_info_util as _source_info_util  # noqa: E402
 from jax._src import traceback_util as _traceback_util  # noqa: E402
+from jax._src import tree_util as _tree_util  # noqa: E402
 from jax._src import util as _util  # noqa: E402
 from jax._src.interpreters import ad as _ad  # noqa: E402
 from jax._src.interpreters import partial_eval as _pe  # noqa: E402
@@ -205,9 +207,16 @@ def tracer_is_dead(x: Any) -> bool:
     return True
 
 
-def trace_context() -> Any:
-    """The part of JAX's configuration that jit keys its trace cache on."""
-    return _config.trace_context()
+# The part of JAX's configuration that jit keys its trace cache on (user
+# contexts, lazyharvest's harvest state among them). Bound directly: it runs
+# on every call of a reaped function.
+trace_context: Callable[[], Any] = _config.trace_context
+
+# The type of concrete jax.Arrays: pytree leaves.
+ArrayImpl: type = _array.ArrayImpl
+
+# `jax.tree_util.tree_flatten(tree)` without its Python frame (hot path).
+tree_flatten: Callable[[Any], tuple[list, Any]] = _tree_util.default_registry.flatten
 
 
 def trace_flat(fn: Callable, in_avals: Sequence[Any], name: str = "lazyharvest"
@@ -521,6 +530,14 @@ def zeros_tangent(aval: Any) -> Any:
     from jax._src import ad_util as _ad_util
 
     return _ad_util.zeros_like_aval(aval.to_tangent_aval())
+
+
+def zeros_like_aval(aval: Any) -> Any:
+    """Zeros of `aval` exactly (weak type, float0, key dtypes), on the
+    current trace: a stand-in for a value only its aval matters of."""
+    from jax._src import ad_util as _ad_util
+
+    return _ad_util.zeros_like_aval(aval)
 
 
 def linear_zero(aval: Any) -> Any:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import operator
+import threading
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
@@ -11,10 +13,18 @@ import jax
 
 from lazyharvest import _jax
 from lazyharvest._interpreter import Harvest
-from lazyharvest.delayed import DelayedDict
+from lazyharvest.delayed import DelayedDict, _Store
 from lazyharvest.errors import HarvestError
 from lazyharvest.primitive import scoped
-from lazyharvest.program import NO_PLANTS, Static, cached_trace, flatten_args, resolve_plants
+from lazyharvest.program import (
+    NO_PLANTS,
+    TRACE_CACHE_SIZE,
+    Static,
+    Traced,
+    cached_trace,
+    flatten_args,
+    resolve_plants,
+)
 
 
 def _harvest(tag: Hashable, allowlist: Iterable[Any] | None,
@@ -63,9 +73,11 @@ def _call(with_out: bool, with_dict: bool, static_argnums: Any = (),
 
 
 def _run(f: Callable, h: Harvest, plants: Any, args: tuple, kwargs: dict,
-         how: _Call) -> Any:
+         how: _Call, remember: Callable[[Traced], None] | None = None) -> Any:
     flat, arg_spec, avals = flatten_args(*how.split_static(args, kwargs))
-    traced = cached_trace(f, h, arg_spec, avals)
+    traced, cached = cached_trace(f, h, arg_spec, avals)
+    if cached and remember is not None:
+        remember(traced)
     spec, plant_leaves = NO_PLANTS, list[Any]()
     if plants is not None:
         spec, plant_leaves = resolve_plants(traced, plants, add=how.add)
@@ -86,6 +98,36 @@ def _run(f: Callable, h: Harvest, plants: Any, args: tuple, kwargs: dict,
     d = DelayedDict.from_trace(traced, flat, spec, plant_leaves,
                                computed=(keys, outs[n_out:]))
     return out, d
+
+
+class _Recent:
+    """The traces a reaped function's calls found cached, by what a call tells
+    cheaply: its argument tree and avals, then JAX's trace context (which
+    holds the harvest state, tags and scopes, too), compared, not hashed.
+
+    A hit skips the general path (argument specs, the weak cache's key and
+    lock): a call is a flatten, a dict lookup and a `DelayedDict`. The
+    function holding this table holds `f` too, so the table needs no weak
+    references; what it holds, `cached_trace` holds as well. One context
+    per argument signature: a call in another one takes the general path
+    (which finds its trace cached) and replaces it here.
+    """
+
+    __slots__ = ("table", "lock")
+
+    def __init__(self) -> None:
+        self.table: dict = {}  # (tree, avals) -> (trace context, Traced)
+        self.lock = threading.Lock()
+
+    def remember(self, key: Any, traced: Traced) -> None:
+        with self.lock:
+            self.table[key] = (_jax.trace_context(), traced)
+            while len(self.table) > TRACE_CACHE_SIZE:
+                del self.table[next(iter(self.table))]
+
+
+_aval = operator.attrgetter("aval")
+_ARRAYS = {_jax.ArrayImpl}
 
 
 def reap(f: Callable, *, tag: Hashable, allowlist: Iterable[Any] | None = None,
@@ -141,12 +183,33 @@ def reap(f: Callable, *, tag: Hashable, allowlist: Iterable[Any] | None = None,
     8.0
     """
     h = _harvest(tag, allowlist, blocklist, exclusive)
-    how = _call(False, True, static_argnums, static_argnames)
+    return _reaper(f, h, _call(False, True, static_argnums, static_argnames))
+
+
+def _reaper(f: Callable, h: Harvest, how: _Call) -> Callable[..., DelayedDict]:
+    """`reap(f)`: positional array arguments whose trace this function used
+    before take the short path (`_Recent`); every other call, `_run`."""
+    recent = _Recent() if not (how.static_argnums or how.static_argnames) else None
 
     @_jax.api_boundary
     @functools.wraps(f)
     def reaped(*args: Any, **kwargs: Any) -> DelayedDict:
-        return _run(f, h, None, args, kwargs, how)
+        if kwargs or recent is None:
+            return _run(f, h, None, args, kwargs, how)
+        leaves: Sequence[Any]
+        concrete = set(map(type, args)) == _ARRAYS
+        if concrete:  # jax.Arrays (no tracers): no tree to flatten
+            leaves, tree = args, len(args)
+        else:
+            leaves, tree = _jax.tree_flatten(args)
+        try:
+            key = (tree, tuple(map(_aval, leaves)))
+        except AttributeError:  # not all arrays: the general path
+            return _run(f, h, None, args, kwargs, how)
+        hit = recent.table.get(key)
+        if hit is not None and hit[0] == _jax.trace_context():
+            return DelayedDict(_Store(hit[1], leaves, concrete=concrete))
+        return _run(f, h, None, args, kwargs, how, functools.partial(recent.remember, key))
     return reaped
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import threading
+from _thread import RLock as _RLock  # threading.RLock, without its Python frame
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -23,51 +23,104 @@ class HarvestKeyError(HarvestError, KeyError):
         return str(self.args[0])
 
 
+_MISSING = object()
+_PLANS_PER_TRACE = 256  # `compute` key plans kept per trace
+
+
 class _Store:
     """State shared by a DelayedDict and its sub-views."""
 
-    def __init__(self, traced: Traced, args: list, plants: PlantSpec,
-                 plant_leaves: list):
+    __slots__ = ("traced", "args", "plants", "plant_leaves", "traced_inputs",
+                 "values", "lock")
+
+    def __init__(self, traced: Traced, args: Sequence[Any], plants: PlantSpec = NO_PLANTS,
+                 plant_leaves: Sequence[Any] = (), concrete: bool = False):
         self.traced = traced
         self.args = args
         self.plants = plants
         self.plant_leaves = plant_leaves
-        self.inputs = (*args, *plant_leaves, *traced.jaxpr.consts)
         # Made inside a trace (inputs or closed-over values are tracers): its
-        # leaves belong to that trace, and die with it.
-        self.traced_inputs = _jax.any_tracer(self.inputs)
+        # leaves belong to that trace, and die with it. (`concrete`: the
+        # caller knows `args` are arrays, not tracers.)
+        self.traced_inputs = (traced.tracer_consts or (not concrete and _jax.any_tracer(args))
+                              or (plant_leaves and _jax.any_tracer(plant_leaves)))
         self.values: dict = {}
-        self.lock = threading.RLock()
+        self.lock = _RLock()
 
-    def force(self, raw_keys: list) -> dict:
-        """The values of `raw_keys`, computing the missing ones in one program.
+    @property
+    def inputs(self) -> tuple:
+        return (*self.args, *self.plant_leaves, *self.traced.jaxpr.consts)
+
+    def force_one(self, raw: Any) -> Any:
+        """The value of one leaf (`force([raw])[raw]`, with less work)."""
+        if not self.traced_inputs:
+            value = self.values.get(raw, _MISSING)
+            if value is not _MISSING:
+                return value  # memoized: no lock needed
+        with self.lock:
+            if self.traced_inputs and any(map(_jax.tracer_is_dead, self.inputs)):
+                raise self._ended([raw])
+            value = self.values.get(raw, _MISSING)
+            if value is not _MISSING:
+                return value
+            if self.plants.entries:
+                prog = self.traced.program((raw,), with_out=False, plants=self.plants)
+                flat = prog(*self.args, *self.plant_leaves)
+                value = self.traced.sites[raw].tree.unflatten(flat)
+            else:
+                hit = self.traced.plain_programs.get((raw,))
+                prog, spans = self.traced.plain_program((raw,)) if hit is None else hit
+                prog.used = True  # see Traced.plain_program
+                flat = prog(*self.args)
+                value = flat[0] if spans is None else spans[0][3].unflatten(flat)
+            if self.traced_inputs or not _jax.any_tracer(flat):
+                self.values[raw] = value
+            return value
+
+    def force(self, raw_keys: Sequence[Any], unique: bool = False) -> dict:
+        """The values of `raw_keys` (`unique`: listed once each), computing
+        the missing ones in one program.
 
         A DelayedDict made outside any trace but read inside one (`jax.jit`
         of a closure over it) stages its program into that trace and keeps
         nothing: memoizing a tracer would poison it for later reads.
         """
-        if len(raw_keys) == 1 and raw_keys[0] in self.values and not self.traced_inputs:
-            return {raw_keys[0]: self.values[raw_keys[0]]}  # memoized: no lock needed
         with self.lock:
-            keys = list(dict.fromkeys(raw_keys))
-            out = {k: self.values[k] for k in keys if k in self.values}
-            missing = [k for k in keys if k not in out]
+            keys = (raw_keys if unique or len(raw_keys) < 2
+                    else tuple(dict.fromkeys(raw_keys)))
             if self.traced_inputs and any(map(_jax.tracer_is_dead, self.inputs)):
                 raise self._ended(keys)
-            if not missing:
-                return out
-            prog = self.traced.program(missing, with_out=False, plants=self.plants)
-            flat = prog(*self.args, *self.plant_leaves)
-            memoize = self.traced_inputs or not _jax.any_tracer(flat)
-            sites = self.traced.sites
-            *chunks, _ = split_list(flat, [len(sites[k].avals) for k in missing])
-            for k, leaves in zip(missing, chunks):
-                out[k] = jax.tree_util.tree_unflatten(sites[k].tree, leaves)
-                if memoize:
-                    self.values[k] = out[k]
+            values = self.values
+            missing: Sequence[Any] = keys
+            out: dict = {}
+            if values:
+                out = {k: values[k] for k in keys if k in values}
+                if len(out) == len(keys):
+                    return out
+                missing = [k for k in keys if k not in out]
+            if self.plants.entries:
+                prog = self.traced.program(missing, with_out=False, plants=self.plants)
+                flat = prog(*self.args, *self.plant_leaves)
+                sites = self.traced.sites
+                *chunks, _ = split_list(flat, [len(sites[k].avals) for k in missing])
+                for k, leaves in zip(missing, chunks):
+                    out[k] = sites[k].tree.unflatten(leaves)
+            else:
+                wanted = tuple(missing)
+                hit = self.traced.plain_programs.get(wanted)
+                prog, spans = self.traced.plain_program(wanted) if hit is None else hit
+                prog.used = True  # see Traced.plain_program
+                flat = prog(*self.args)
+                if spans is None:
+                    out.update(zip(missing, flat))
+                else:
+                    for k, start, stop, tree in spans:
+                        out[k] = flat[start] if tree is None else tree.unflatten(flat[start:stop])
+            if self.traced_inputs or not _jax.any_tracer(flat):
+                values.update(out)
             return out
 
-    def _ended(self, keys: list) -> HarvestError:
+    def _ended(self, keys: Sequence[Any]) -> HarvestError:
         names = ", ".join(repr(keys_mod.display(self.traced.key_of[k][0])) for k in keys)
         return HarvestError(
             f"harvest of tag {self.traced.harvest.tag!r}: cannot read {names}: the "
@@ -104,12 +157,16 @@ class DelayedDict(Mapping):
     8.0 12.0 12.0
     """
 
+    __slots__ = ("_store", "_prefix", "_leaves", "_canonical")
+
     def __init__(self, store: _Store, prefix: tuple = ()):
         self._store = store
         self._prefix = prefix
-        n = len(prefix)
-        index, canonical = store.traced.key_index(store.plants)
-        if n:
+        traced = store.traced
+        both = traced.indexes.get(None) if store.plants is NO_PLANTS else None
+        index, canonical = traced.key_index(store.plants) if both is None else both
+        if prefix:
+            n = len(prefix)
             index = {k[n:]: r for k, r in index.items() if k[:n] == prefix and k[n:]}
             canonical = canonical_keys(index)
         self._leaves, self._canonical = index, canonical
@@ -126,7 +183,7 @@ class DelayedDict(Mapping):
         - plants, plant_leaves: which sites the call plants, and the planted leaves.
         - computed: (raw keys, their flat leaves) already computed by the call.
         """
-        store = _Store(traced, list(args), plants, list(plant_leaves))
+        store = _Store(traced, args, plants, plant_leaves)
         keys, leaves = computed
         if keys:
             *chunks, _ = split_list(leaves, [len(traced.sites[k].avals) for k in keys])
@@ -138,10 +195,10 @@ class DelayedDict(Mapping):
 
     @_jax.api_boundary
     def __getitem__(self, key: Any) -> Any:
-        k = keys_mod.normalize(key)
+        k = key if isinstance(key, tuple) else (key,)
         raw = self._leaves.get(k)
         if raw is not None:
-            return self._store.force([raw])[raw]
+            return self._store.force_one(raw)
         if self._has_prefix(k):
             return DelayedDict(self._store, self._prefix + k)
         raise self._unknown(k)
@@ -177,7 +234,8 @@ class DelayedDict(Mapping):
         12.0
         """
         raw = self._raw(key, parts)
-        return lambda: self._store.force([raw])[raw]
+        store = self._store
+        return lambda: store.force_one(raw)
 
     def fn(self, key: Any, *parts: Any) -> Callable[..., Any]:
         """One leaf as a function of the reaped function's inputs (its continuation).
@@ -273,12 +331,37 @@ class DelayedDict(Mapping):
         >>> print(out["x3"], out["grad"]["x3"])
         8.0 12.0
         """
-        wanted = self._expand(keys) if keys else list(self._canonical)
-        values = self._store.force([self._leaves[k] for k in wanted])
+        wanted, raws, unique, names = self._plan(keys)
+        values = self._store.force(unique, unique=True)
+        if names is not None:  # one-part keys: a flat dict
+            return dict(zip(names, map(values.__getitem__, raws)))
         out: dict = {}
-        for k in wanted:
-            _nest(out, k, values[self._leaves[k]])
+        for k, r in zip(wanted, raws):
+            _nest(out, k, values[r])
         return out
+
+    def _plan(self, keys: tuple) -> tuple[list, list, tuple, tuple | None]:
+        """The user keys `compute(*keys)` returns, the leaf of each, the
+        leaves once each, and the keys' names if every key has one part;
+        kept per trace, plants and view, so a repeated call looks them up once."""
+        store = self._store
+        plans = store.traced.plans
+        plan_key: Any = (store.plants if store.plants.entries else None, self._prefix, keys)
+        try:
+            plan = plans.get(plan_key)
+        except TypeError:  # an unhashable key: reported below
+            plan = plan_key = None
+        if plan is None:
+            wanted = self._expand(keys) if keys else list(self._canonical)
+            raws = [self._leaves[k] for k in wanted]
+            flat = all(len(k) == 1 for k in wanted)
+            plan = (wanted, raws, tuple(dict.fromkeys(raws)),
+                    tuple(k[0] for k in wanted) if flat else None)
+            if plan_key is not None:
+                if len(plans) >= _PLANS_PER_TRACE:
+                    plans.clear()
+                plans[plan_key] = plan
+        return plan
 
     def lower(self, *keys: Any) -> Any:
         """The `jax.stages.Lowered` program that `compute(*keys)` runs.

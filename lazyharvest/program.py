@@ -56,6 +56,7 @@ class Program:
         self.what = what
         self.fn = jax.jit(self._eval)
         self.first = True
+        self.used = False  # read through `Traced.plain_program` (LRU second chance)
 
     def _eval(self, *flat):
         return _jax.eval_jaxpr(self.jaxpr, self.consts, *flat)
@@ -111,6 +112,7 @@ class PlantSpec:
 
 
 NO_PLANTS = PlantSpec()
+_LEAF = jax.tree_util.tree_structure(0)
 
 
 @attrs.frozen(eq=False)
@@ -131,19 +133,24 @@ class Traced:
     names: frozenset  # every name the tag sows, filtered or not
     other_tags: frozenset  # tags of the other sites in the program (for errors)
     arg_spec: Any = None  # ArgSpec of the calls this trace serves
+    tracer_consts: bool = False  # closes over an outer trace's tracers
     programs: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)
+    # (RawKey, ...) -> (their program without plants, spans): `plain_program`
+    plain_programs: dict = attrs.field(factory=dict)
     indexes: dict = attrs.field(factory=dict)  # PlantSpec -> key index
+    plans: dict = attrs.field(factory=dict)  # (plants, view, keys) -> `compute` plan
     lock: Any = attrs.field(factory=threading.RLock)
 
     def key_index(self, plants: PlantSpec = NO_PLANTS) -> tuple[dict, list]:
         """(user key -> RawKey of every leaf a DelayedDict offers, aliases
         included and planted sites excluded; the canonical keys, in order)."""
-        index = self.indexes.get(plants)
+        index = self.indexes.get(None if plants is NO_PLANTS else plants)
         if index is None:
             planted = plants.keys
             keys = {u: r for r, us in self.key_of.items() if r not in planted
                     for u in us}
-            index = self.indexes[plants] = (keys, canonical_keys(keys))
+            index = (keys, canonical_keys(keys))
+            self.indexes[None if plants is NO_PLANTS else plants] = index
         return index
 
     def direct_keys(self, plants: PlantSpec = NO_PLANTS) -> list[RawKey]:
@@ -157,17 +164,57 @@ class Traced:
         """The compiled slice computing `raw_keys` (and the output, `with_out`);
         with `pass_through`, unplanted sites stay sites of the program."""
         cache_key = (tuple(raw_keys), with_out, plants, pass_through)
-        with self.lock:
-            prog = self.programs.get(cache_key)
-            if prog is not None:
+        prog = self.programs.get(cache_key)  # lock-free: each step is atomic
+        if prog is not None:
+            try:  # noqa: SIM105  (contextlib.suppress costs more, on every read)
                 self.programs.move_to_end(cache_key)
-                return prog
+            except KeyError:  # evicted meanwhile by another thread
+                pass
+            return prog
         prog = self._build(list(raw_keys), with_out, plants, pass_through)
         with self.lock:
             self.programs[cache_key] = prog
-            while len(self.programs) > PROGRAM_CACHE_SIZE:
-                self.programs.popitem(last=False)
+            self._evict()
         return prog
+
+    def plain_program(self, raws: tuple) -> tuple[Program, tuple | None]:
+        """`program(raws, False)` without plants, and where each leaf is in
+        its output: `(raw, start, stop, tree)` spans, the tree None for a
+        leaf that is one array; no spans (None) when every leaf is one array
+        (output i is leaf i). A second index into `programs`: reading
+        leaves of a cached key set is one lookup."""
+        hit = self.plain_programs.get(raws)
+        if hit is not None:
+            hit[0].used = True  # the LRU order is not updated on this path
+            return hit
+        prog = self.program(raws, with_out=False)
+        spans, start = [], 0
+        for raw in raws:
+            site = self.sites[raw]
+            stop = start + len(site.avals)
+            spans.append((raw, start, stop, None if site.tree == _LEAF else site.tree))
+            start = stop
+        hit = (prog, None if all(t is None for *_, t in spans) else tuple(spans))
+        with self.lock:
+            if self.programs.get((raws, False, NO_PLANTS, False)) is prog:
+                self.plain_programs[raws] = hit
+        return hit
+
+    def _evict(self) -> None:
+        """Drops the least recently used programs past the cache size; one
+        read through `plain_program` since it was last seen earns a second
+        chance (that path does not reorder the cache). Under `self.lock`."""
+        while len(self.programs) > PROGRAM_CACHE_SIZE:
+            key, prog = self.programs.popitem(last=False)
+            if prog.used:
+                prog.used = False
+                self.programs[key] = prog
+                continue
+            raws, with_out, plants, pass_through = key
+            if not with_out and not plants.entries and not pass_through:
+                hit = self.plain_programs.get(raws)
+                if hit is not None and hit[0] is prog:
+                    del self.plain_programs[raws]
 
     def _build(self, raw_keys: list, with_out: bool, plants: PlantSpec,
                pass_through: bool) -> Program:
@@ -183,7 +230,8 @@ class Traced:
             planted = {k: attrs.evolve(p, count=counts.get(k, 1))
                        for k, p in plants.plants(leaves).items()}
             run = Run(self.harvest, wanted.__contains__, planted,
-                      keep_other_tags=with_out, pass_through=pass_through)
+                      keep_other_tags=with_out, pass_through=pass_through,
+                      outputs_needed=with_out)
             outs = run.eval(closed.jaxpr, closed.consts, args)
             site = [x for k in raw_keys for x in run.records[k].leaves()]
             return [*outs, *site] if with_out else site
@@ -255,7 +303,7 @@ def trace(f: Callable, harvest: Harvest, spec: ArgSpec, in_avals: tuple) -> Trac
     names, tags = _site_names(closed.jaxpr, harvest.tag, set(), set())
     return Traced(harvest, closed, in_avals, out_tree, sites, key_of,
                   {u: k for k, us in key_of.items() for u in us},
-                  frozenset(names), frozenset(tags), spec)
+                  frozenset(names), frozenset(tags), spec, _jax.any_tracer(closed.consts))
 
 
 # --- the trace cache: weak in the user's function ---------------------------
@@ -319,8 +367,10 @@ def _warn_uncached(f: Callable) -> None:
             f"function defined once (def g(*a): return f(*a)).", stacklevel=4)
 
 
-def cached_trace(f: Callable, harvest: Harvest, spec: ArgSpec, in_avals: tuple) -> Traced:
-    """The trace of `f` for these arguments, from the cache when possible."""
+def cached_trace(f: Callable, harvest: Harvest, spec: ArgSpec, in_avals: tuple
+                 ) -> tuple[Traced, bool]:
+    """The trace of `f` for these arguments, from the cache when possible, and
+    whether it is cached (later calls with these arguments may reuse it)."""
     base, fkey = _owner_of(f)
     key = (fkey, harvest, spec, in_avals, active_tags(), current_scopes(),
            _jax.trace_context())
@@ -332,17 +382,17 @@ def cached_trace(f: Callable, harvest: Harvest, spec: ArgSpec, in_avals: tuple) 
             per_fn = hit = None
     if per_fn is None:
         _warn_uncached(f)
-        return trace(f, harvest, spec, in_avals)
+        return trace(f, harvest, spec, in_avals), False
     if hit is not None:
-        return hit
+        return hit, True
     traced = trace(f, harvest, spec, in_avals)
-    if _jax.any_tracer(traced.jaxpr.consts):  # closes over a tracer: this trace only
-        return traced
+    if traced.tracer_consts:  # closes over a tracer: this trace only
+        return traced, False
     with _TRACES_LOCK:
         per_fn[key] = traced
         while len(per_fn) > TRACE_CACHE_SIZE:
             per_fn.popitem(last=False)
-    return traced
+    return traced, True
 
 
 @attrs.frozen

@@ -231,8 +231,14 @@ def _jacobian(fn: Callable, args: tuple, kwargs: dict, argnums: Any, wrt: Any,
                 *args, **kwargs)
         else:
             kw = dict(jac_kw, allow_int=True) if mode == "rev" and k.get("allow_int") else jac_kw
-            jac = jax.jacrev if mode == "rev" else jax.jacfwd
-            vals = jac(part, argnums, **kw)(*args, **kwargs)
+            if mode == "rev" and kind == "float" and len(idx) == 1 and outs[idx[0]].shape == ():
+                # One scalar: its Jacobian is its gradient; jax.grad's backward
+                # pass has no basis axis for jacrev's vmap (a smaller program).
+                one = lambda *a, **kw_: part(*a, **kw_)[0]
+                vals = [jax.grad(one, argnums, **kw)(*args, **kwargs)]
+            else:
+                jac = jax.jacrev if mode == "rev" else jax.jacfwd
+                vals = jac(part, argnums, **kw)(*args, **kwargs)
         for i, v in zip(idx, vals):
             result[i] = v
     order = 2 if name == "hessian" else 1
@@ -446,14 +452,20 @@ def _recorded(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, transform,
     extra = list(ops.leaves)
     extra_axes = [t.site_axis()] * len(extra) if t.name == "vmap" else []
 
-    def inner_run(ex: Sequence[Any], want: Callable) -> Run:
-        return run.nested(ops.plants(plants, ex), cursor, want=want)
+    def inner_run(ex: Sequence[Any], want: Callable, outputs_needed: bool = True) -> Run:
+        return run.nested(ops.plants(plants, ex), cursor, want=want,
+                          outputs_needed=outputs_needed)
 
     def plain(*flat):
         n = len(flat) - len(extra)
         return inner_run(flat[n:], lambda k: False).eval(jaxpr, (), flat[:n])
 
-    outs = jax.tree_util.tree_leaves(t.call(plain, invals, extra, extra_axes))
+    if run.abstract or run.outputs_unused(eqn):
+        # Only avals matter (an abstract run), or nothing reads the outputs
+        # (a leaf's slice): stand-ins, instead of tracing T of the body.
+        outs = [_jax.zeros_like_aval(v.aval) for v in eqn.outvars]
+    else:
+        outs = jax.tree_util.tree_leaves(t.call(plain, invals, extra, extra_axes))
     wanted = _wanted(run, labels, inner, plants)
     if wanted:
         _record_leaves(run, t, jaxpr, invals, wanted, inner_run, extra, extra_axes)
@@ -471,7 +483,7 @@ def _record_leaves(run: Run, t: Transform, jaxpr: _jax.Jaxpr, invals: list,
 
     def leaf_fn(*flat):
         n = len(flat) - len(extra)
-        child = inner_run(flat[n:], set(request).__contains__)
+        child = inner_run(flat[n:], set(request).__contains__, outputs_needed=False)
         child.eval(jaxpr, (), flat[:n])
         for k in request:
             modes[k] = child.records[k].mode

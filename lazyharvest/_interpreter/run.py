@@ -78,6 +78,18 @@ def sown_key(key: RawKey) -> RawKey:
     return (path + (SOWN,), scopes, name)
 
 
+def _read_vars(jaxpr: _jax.Jaxpr, tag: Any) -> set:
+    """The variables read by the eqns of `jaxpr` that are kept whatever the
+    outputs: effects, sites of `tag`, or outputs read by such eqns. (Never
+    empty: it holds a sentinel, so an empty set means "not computed".)"""
+    read: set = {None}
+    for eqn in reversed(jaxpr.eqns):
+        if (eqn.effects or eqn.primitive is sow_p or any(v in read for v in eqn.outvars)
+                or contains_sites(eqn, tag)):
+            read.update(v for v in eqn.invars if not isinstance(v, _jax.Literal))
+    return read
+
+
 def is_sown(key: RawKey) -> bool:
     return bool(key[0]) and key[0][-1] == SOWN
 
@@ -134,8 +146,14 @@ class Run:
                  keep_other_tags: bool = True, abstract: bool = False,
                  pass_through: bool = False, parent: Run | None = None,
                  track_sown: bool = False,
-                 replays: dict | None = None, replay_plants: dict | None = None):
+                 replays: dict | None = None, replay_plants: dict | None = None,
+                 outputs_needed: bool = True):
         self.harvest = harvest
+        # Whether the caller reads what `eval` returns (a leaf's slice does
+        # not); if not, `outputs_unused` tells which eqns' outputs are dead.
+        self.outputs_needed = outputs_needed
+        self._used: tuple[Any, set] | None = None  # (jaxpr, vars read)
+        self._own: set = set()  # ids of that jaxpr's eqns
         self.parent = parent
         self.track_sown = track_sown
         # An abstract run only learns the sites' avals: derivative leaves of
@@ -160,8 +178,10 @@ class Run:
                want: Callable[[RawKey], bool] | None = None,
                pass_through: bool | None = None, inherit: bool = False,
                track_sown: bool | None = None,
-               replays: dict | None = None, replay_plants: dict | None = None) -> Run:
-        """A run for a body inside this one; each argument left out is inherited.
+               replays: dict | None = None, replay_plants: dict | None = None,
+               outputs_needed: bool = True) -> Run:
+        """A run for a body inside this one; each argument left out is inherited
+        (but `outputs_needed`, which describes the caller).
 
         With `inherit`, the body reads this run's records as the values its
         sites had before it (the body then closes over them). A body given its
@@ -178,7 +198,7 @@ class Run:
                    self.track_sown if track_sown is None else track_sown,
                    replays if replays is not None else self.replays if same else {},
                    replay_plants if replay_plants is not None
-                   else self.replay_plants if same else {})
+                   else self.replay_plants if same else {}, outputs_needed)
 
     # -- recording --------------------------------------------------------
 
@@ -254,7 +274,29 @@ class Run:
 
     def eval(self, jaxpr: _jax.Jaxpr, consts: Sequence[Any],
              args: Sequence[Any]) -> list:
+        if not self.outputs_needed and self._used is None:
+            # The first eval is the caller's jaxpr; rules may evaluate bodies
+            # with this run too (calls), whose outputs are read outside them.
+            self._used = (jaxpr, set())  # computed when first asked
         return _jax.eval_eqns(jaxpr, consts, args, self.eval_eqn, in_context=True)
+
+    def outputs_unused(self, eqn: _jax.JaxprEqn) -> bool:
+        """Whether nothing this run evaluates reads `eqn`'s outputs: `eqn` is
+        in the jaxpr the run was called on (not in a body a rule evaluates
+        with this run), the caller does not read that jaxpr's outputs, and
+        no eqn after `eqn` that is kept (one with effects or sites, or whose
+        outputs are read) reads them. Such outputs are dead code in the program being built, and an
+        eqn holding sites may give stand-ins for them, as long as it need
+        not sow again the sites it consumes (`keep_other_tags`,
+        `pass_through`)."""
+        if self._used is None or self.keep_other_tags or self.pass_through:
+            return False
+        jaxpr, used = self._used
+        if not used:
+            used.update(_read_vars(jaxpr, self.harvest.tag))
+            own = {id(e) for e in jaxpr.eqns}
+            self._own = own
+        return id(eqn) in self._own and not any(v in used for v in eqn.outvars)
 
     def eval_eqn(self, eqn: _jax.JaxprEqn, invals: list) -> list:
         prim = eqn.primitive
