@@ -657,14 +657,19 @@ def wrap_dce_rule(prim: Primitive, keep: Callable[[JaxprEqn], bool]) -> None:
         return
 
     def rule(used_outputs, eqn):
-        if not any(used_outputs) and keep(eqn):
+        if not keep(eqn):
+            return original(used_outputs, eqn)
+        shown = eqn
+        if not any(used_outputs):
             shown = new_jaxpr_eqn(eqn.invars, eqn.outvars, eqn.primitive, eqn.params,
                                   eqn.effects | {_keep_effect}, eqn.source_info, eqn.ctx)
-            used_inputs, new_eqn = original(used_outputs, shown)
-            if new_eqn is None:  # (jit drops a body that uses no input): keep it whole
-                return [True] * len(eqn.invars), eqn
-            return used_inputs, new_eqn
-        return original(used_outputs, eqn)
+        used_inputs, new_eqn = original(used_outputs, shown)
+        if new_eqn is None or (eqn.invars and not any(used_inputs)):
+            # Kept whole: a jit that drops a body using no input, or one left
+            # with no input, whose sites would then count as constants of the
+            # backward pass (evaluated forward, never transposed).
+            return [True] * len(eqn.invars), eqn
+        return used_inputs, new_eqn
     rule._lazyharvest = True  # type: ignore[attr-defined]
     pe.dce_rules[prim] = rule
 

@@ -434,3 +434,19 @@ def test_regression_constant_clobber_site_in_scan_under_reverse_over_reverse():
         return jnp.sum(jax.grad(f)(x, e))
     want = jax.grad(lambda e: outer(X, e))(jnp.zeros(3))
     close(reaped(jax.grad(outer), X)["primal", "vjp", "c"], want)
+
+
+def test_regression_constant_site_in_a_jit_whose_outputs_ignore_its_inputs():
+    # jax.jit(lambda x: sow(c))(x) under reverse mode: DCE left the jit of the
+    # linear function with no input, so the backward pass evaluated it forward:
+    # a zero ("jvp", name) key instead of ("vjp", name), and zeros in the
+    # backward function of jax.vjp.
+    def f(x, e=0.):
+        c = jax.jit(lambda x: lh.sow(C0 * 1., tag="t", name="c"))(x)
+        return jnp.sum((c + e) * jnp.sin(x))
+    want = jax.grad(lambda e: f(X, e))(jnp.zeros(3))  # d out / d site
+    d = reaped(jax.grad(f), X)
+    assert ("jvp", "c") not in d
+    close(d["vjp", "c"], want)
+    _, bwd = jax.vjp(f, X)
+    close(reaped(bwd, 1.)["c"], want)
