@@ -17,7 +17,7 @@ import numpy as np
 from lazyharvest.keys import Key
 from lazyharvest.testing._oracle import Interpreter
 from lazyharvest.testing.statements import (
-    B, Bin, Cond, Jit, Lin, N, Op, Output, Red, Remat, Scan, Scope, Sow, While)
+    B, Bin, Cond, Jit, Lin, N, Op, Output, Red, Remat, Repeat, Scan, Scope, Sow, While)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +104,8 @@ class Program:
         """The constructs this program uses (a subset of ``CONSTRUCTS``)."""
         found: set = set()
         _constructs(self.body, found, scope_depth=0, in_scan=False)
+        if _has_dead_site(self.body, self.output, 3 if self.tree_input else 1):
+            found.add("dead_site")
         env = [False] * (3 if self.tree_input else 1)
         _variance(self.body, env, in_loop=False, in_remat=False, found=found)
         if self.tree_input:
@@ -147,8 +149,11 @@ def _insert(shape: tuple, ax: int) -> tuple:
     return shape[:ax] + (B,) + shape[ax:]
 
 
-def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool) -> None:
+def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool,
+                in_remat: bool = False) -> None:
     for st in body:
+        if in_remat and getattr(st, "mode", "") == "append":
+            found.add("checkpoint_append")
         if isinstance(st, Op):
             found.add("elementwise")
         elif isinstance(st, Bin):
@@ -163,36 +168,94 @@ def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool) -> Non
                 found.add("constant")
             if len(st.srcs) == 2:
                 found.add("pytree_site")
+            if st.stop_gradient:
+                found.add("stop_gradient_site")
             if in_scan:
                 found.add("scan_append" if st.mode == "append" else "scan_clobber")
         elif isinstance(st, Scope):
             found.add("scope")
             if scope_depth >= 1:
                 found.add("nested_scope")
-            _constructs(st.body, found, scope_depth + 1, in_scan)
+            _constructs(st.body, found, scope_depth + 1, in_scan, in_remat)
         elif isinstance(st, Jit):
             found.add("jit")
-            _constructs(st.body, found, scope_depth, in_scan)
+            _constructs(st.body, found, scope_depth, in_scan, in_remat)
         elif isinstance(st, Remat):
             found.add("checkpoint")
-            _constructs(st.body, found, scope_depth, in_scan)
+            _constructs(st.body, found, scope_depth, in_scan, True)
+        elif isinstance(st, Repeat):
+            found.add("jit_layer" if st.jit else "python_loop")
+            _constructs(st.body, found, scope_depth, in_scan, in_remat)
         elif isinstance(st, Scan):
             found.add("scan")
             if st.reverse:
                 found.add("reverse_scan")
             if in_scan:
                 found.add("nested_scan")
-            _constructs(st.body, found, scope_depth, True)
+            _constructs(st.body, found, scope_depth, True, in_remat)
         elif isinstance(st, Cond):
             found.update({st.kind, "site"})
+            if st.sows:
+                found.add("cond_different_sites")
+            if st.vmap:
+                found.add("vmap_cond")
             if in_scan:
                 found.add("scan_append" if st.mode == "append" else "scan_clobber")
         elif isinstance(st, While):
-            found.update({"while", "site"})
-            if st.trips == 0:
-                found.add("while_never_runs")
-            if in_scan:
-                found.add("scan_clobber")
+            _loop_constructs(st, found, in_scan)
+
+
+def _loop_constructs(st: While, found: set, in_scan: bool) -> None:
+    found.add("site")
+    found.update({"while"} if st.has_while else set())
+    found.update({"scan"} if "scan" in (st.kind, st.inner) else set())
+    if st.kind == "while" and st.trips == 0:
+        found.add("while_never_runs")
+    never = st.trips == 0 or (st.inner != "" and st.inner_trips == 0)
+    if st.kind == "scan" and never:
+        found.add("zero_trip_scan")
+    if st.pre and never:
+        found.add("zero_trip_keeps_earlier")
+    if st.kind == "while" and st.inner and not never:
+        found.add("nested_while" if st.inner == "while" else "scan_in_while")
+    if in_scan:
+        found.add("scan_clobber")
+
+
+def _n_created(st: Any) -> int:
+    """How many variables statement ``st`` creates."""
+    if isinstance(st, Sow):
+        return max(1, len(st.srcs))
+    if isinstance(st, (Scope, Jit, Remat)):
+        return sum(_n_created(s) for s in st.body)
+    return 2 if isinstance(st, Scan) else 1
+
+
+def _refs(body: tuple, out: set) -> None:
+    """Every variable index a statement of ``body`` (at any depth) reads."""
+    for st in body:
+        for field in ("src", "a", "b", "carry", "xs", "pred", "operand"):
+            if isinstance(getattr(st, field, None), int):
+                out.add(getattr(st, field))
+        if isinstance(st, Sow):
+            out.update(st.srcs)
+        if hasattr(st, "body"):
+            _refs(st.body, out)
+
+
+def _has_dead_site(body: tuple, output: Output, n_args: int) -> bool:
+    """Whether a top-level ``Sow`` creates variables nothing reads (errs
+    towards "not dead": an index read in a nested block may be another
+    variable)."""
+    used = set(output.srcs)
+    _refs(body, used)
+    i = n_args
+    for st in body:
+        n = _n_created(st)
+        if isinstance(st, Sow) and not used & set(range(i, i + n)):
+            return True
+        i += n
+    return False
 
 
 def _variance(body: tuple, variant: list, in_loop: bool, in_remat: bool, found: set) -> list:
@@ -217,6 +280,9 @@ def _variance(body: tuple, variant: list, in_loop: bool, in_remat: bool, found: 
             new = _variance(st.body, env, in_loop, in_remat, found)
         elif isinstance(st, Remat):
             new = _variance(st.body, env, in_loop, True, found)
+        elif isinstance(st, Repeat):
+            _variance(st.body, env + [env[st.src]], in_loop, in_remat, found)
+            new = [env[st.src]]
         elif isinstance(st, Scan):
             inner = [False] * len(env) + [True, True]
             _variance(st.body, inner, True, in_remat, found)
@@ -247,7 +313,8 @@ def _once(body: tuple, scopes: tuple, out: list, looped: bool) -> None:
             _once(st.body, scopes + (st.scope,), out, looped)
         elif isinstance(st, (Jit, Remat)):
             _once(st.body, scopes, out, looped)
-        elif isinstance(st, While) and not looped and st.trips == 1:
+        elif (isinstance(st, While) and not looped and st.trips == 1 and not st.pre
+              and st.inner_trips == (1 if st.inner else 0)):
             out.append((*scopes, st.name))
 
 
@@ -261,7 +328,7 @@ def _clobber_loops(body: tuple, scopes: tuple, out: list, looped: bool) -> None:
             _clobber_loops(st.body, scopes + (st.scope,), out, looped)
         elif isinstance(st, (Jit, Remat)):
             _clobber_loops(st.body, scopes, out, looped)
-        elif isinstance(st, Scan):
+        elif isinstance(st, (Scan, Repeat)):
             _clobber_loops(st.body, scopes, out, True)
         elif isinstance(st, While):
             out.append((*scopes, st.name))
@@ -297,6 +364,8 @@ def _render(body: tuple, names: list, counter: list, lines: list, ind: str) -> N
                 lines.append(f'{ind}{a}, {b} = sow({val}, name={st.name!r}, '
                              f'mode={st.mode!r}).values()')
             else:
+                if st.stop_gradient:
+                    val = f"stop_gradient({val})"
                 new(f"sow({val}, name={st.name!r}, mode={st.mode!r})")
         elif isinstance(st, (Scope, Jit, Remat)):
             head = {Scope: lambda: f"nest(scope={getattr(st, 'scope', '')!r})",
@@ -313,11 +382,36 @@ def _render(body: tuple, names: list, counter: list, lines: list, ind: str) -> N
             lines.append(f"{ind}    t = {total}; c = 0.5 * c + tanh(t); y = sum(t)")
             new("final carry")
             new("stacked y")
+        elif isinstance(st, Repeat):
+            lines.append(f"{ind}h = {names[st.src]}")
+            head = "layer = jax.jit(layer); " if st.jit else ""
+            lines.append(f"{ind}{head}for _ in range({st.times}):  # layer(h)")
+            _render(st.body, names + ["h"], counter, lines, ind + "    ")
+            lines.append(f"{ind}    h = 0.5 * h + tanh(fit(<last>))")
+            new("h")
         elif isinstance(st, Cond):
-            sites = ", ".join(f"after op {j}: sow {n!r} ({st.mode})"
-                              for j, n in zip(st.sites, st.names))
-            new(f"{st.kind}(pred=sum({names[st.pred]}), operand={names[st.operand]}, "
-                f"branches={list(st.branches)}; {sites})")
+            new(_render_cond(st, names))
         elif isinstance(st, While):
-            new(f"while_loop({st.trips} trips: v = sow({'('.join(st.ops)}(v{')' * len(st.ops)}), "
-                f"{st.name!r}, clobber), v={names[st.src]})")
+            new(_render_loop(st, names))
+
+
+def _render_cond(st: Cond, names: list) -> str:
+    sites = ", ".join(f"after op {j}: sow {n!r} ({st.mode})" for j, n in zip(st.sites, st.names))
+    text = (f"{st.kind}(pred=sum({names[st.pred]}), operand={names[st.operand]}, "
+            f"branches={list(st.branches)}; {sites}")
+    if st.sows:
+        text += f"; branch b sows only names[i] for i in {list(st.sows)}[b]"
+    if st.pre:
+        text += f"; operand sown first as each of {list(st.names)} (clobber)"
+    if st.vmap:
+        text = f"jax.vmap over [(pred, operand), (-pred, -operand)] of {text}; out = o0 + 0.5 * o1"
+    return text + ")"
+
+
+def _render_loop(st: While, names: list) -> str:
+    chain = f"v = sow({'('.join(st.ops)}(v{')' * len(st.ops)}), {st.name!r}, clobber)"
+    if st.inner:
+        chain = f"{st.inner}({st.inner_trips} trips: {chain})"
+    loop = "while_loop" if st.kind == "while" else "scan"
+    pre = f"sow({names[st.src]}, {st.name!r}, clobber)" if st.pre else names[st.src]
+    return f"{loop}({st.trips} trips: {chain}, v={pre})"
