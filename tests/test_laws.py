@@ -36,6 +36,18 @@ INVARIANT_BUG = pytest.mark.xfail(_jax.DERIVATIVE_SITES, strict=True,
                                   reason="invariant append site hoisted under grad")
 
 
+# Open bugs the generator's constructs find (docs/laws.md, "Bugs the laws
+# found"; reproducers there): the per-construct test leaves out these laws,
+# the property tests of these laws leave out the construct.
+KNOWN_BUGS = {
+    # lh.plant(bwd) of a clobber site in a zero-length scan raises IndexError
+    "zero_trip_scan": {5},
+    # the linear function of a while_loop that never runs reaps zeros, not the
+    # value sown before the loop
+    "zero_trip_keeps_earlier": {1, 7},
+}
+
+
 def constructs(names):
     def marks(c):
         out = [] if c in FAST_CONSTRUCTS else [slow]
@@ -62,7 +74,7 @@ def program_and_args(draw, **kw):
 
 @FEW
 @slow
-@given(program_and_args())
+@given(program_and_args(exclude={"zero_trip_keeps_earlier"}))  # KNOWN_BUGS
 def test_law1_linearize(pa):
     p, args = pa
     T.check_linearize(p.fn, *args, tag=p.tag)
@@ -107,11 +119,13 @@ def test_law4_recorded_jit(pa):
 
 @FEW
 @slow
-# no reverse mode through while_loop; invariant append sites: a known bug
-@given(program_and_args(exclude={"while", "invariant_append_site"}))
-def test_law5_vjp(pa):
+# no reverse mode through while_loop; invariant append sites: a known bug;
+# zero_trip_scan: KNOWN_BUGS. Cotangents planted at a random subset of sites.
+@given(program_and_args(exclude={"while", "invariant_append_site", "zero_trip_scan"}),
+       st.integers(0, 2 ** 16))
+def test_law5_vjp(pa, seed):
     p, args = pa
-    T.check_vjp(p.fn, *args, tag=p.tag)
+    T.check_vjp(p.fn, *args, tag=p.tag, subset=seed)
 
 
 @needs_derivative_sites
@@ -135,7 +149,7 @@ def test_law2_jvp_strict_keys(pa):
 
 @needs_derivative_sites
 @FEW
-@given(program_and_args(exclude={"checkpoint", "while"}))
+@given(program_and_args(exclude={"checkpoint", "while", "zero_trip_scan"}))  # KNOWN_BUGS
 def test_law5_vjp_strict_keys(pa):
     p, args = pa
     T.check_vjp(p.fn, *args, tag=p.tag, strict_keys=True)
@@ -143,15 +157,16 @@ def test_law5_vjp_strict_keys(pa):
 
 @FEW
 @slow
-@given(program_and_args())
-def test_law6_roundtrip(pa):
+@given(program_and_args(), st.integers(0, 2 ** 16))
+def test_law6_roundtrip(pa, seed):
+    # a random subset of the sites is planted; the others pass through
     p, args = pa
-    T.check_roundtrip(p.fn, *args, tag=p.tag)
+    T.check_roundtrip(p.fn, *args, tag=p.tag, subset=seed)
 
 
 @FEW
 @slow
-@given(program_and_args())
+@given(program_and_args(exclude={"zero_trip_keeps_earlier"}))  # KNOWN_BUGS
 def test_law7_lazy_equals_direct_definition(pa):
     p, args = pa
     T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices)
@@ -208,7 +223,7 @@ def test_law9_nest(pa):
 def test_every_law_on_construct(construct):
     p = simplest_with(construct)
     args = p.example_args(7)
-    laws = set(T.LAWS)
+    laws = set(T.LAWS) - KNOWN_BUGS.get(construct, set())
     reverse = p.reverse_differentiable
     report = T.check_all(p.fn, *args, tag=p.tag, slices=p.slices, laws=laws,
                          perturb=p.perturb if reverse else None)
