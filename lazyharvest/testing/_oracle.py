@@ -18,8 +18,8 @@ from jax import lax
 import lazyharvest as lh
 from lazyharvest.keys import normalize
 from lazyharvest.testing.statements import (
-    BINARY, REDUCE, UNARY, Bin, Cond, Jit, Lin, N, Op, Output, Red, Remat, Repeat, Scan,
-    Scope, Sow, While)
+    BINARY, REDUCE, UNARY, Bin, Cond, Custom, Jit, Lin, N, Op, Output, Red, Remat, Repeat,
+    Scan, Scope, Sow, While)
 
 
 class Description(Protocol):
@@ -175,6 +175,8 @@ class Interpreter:
             return run(st, env, ctx, sites)
         if isinstance(st, While):
             return self.while_(st, env, ctx, sites)
+        if isinstance(st, Custom):
+            return self.custom(st, env, ctx, sites)
         raise TypeError(f"unknown statement {st!r}")
 
     def wrapped(self, st: Any, env: list, ctx: Ctx, sites: dict) -> list:
@@ -341,6 +343,31 @@ class Interpreter:
         if not self.lh:
             sites[(*ctx.scopes, st.name)] = ("clobber", last)
         return [v]
+
+    def custom(self, st: Custom, env: list, ctx: Ctx, sites: dict) -> list:
+        """``tanh(sow(sin(u) * w))``; with lazyharvest, under its custom rule
+        (the oracle needs no rule: JAX differentiates the plain function)."""
+        w: Any = 1.0
+        if st.kind == "vjp_closure":  # an intermediate: the rule closes over it
+            w = 1.0 + 0.5 * jnp.tanh(jnp.sum(lax.stop_gradient(env[st.closure])))
+
+        def primal(u: Any) -> Any:
+            return jnp.tanh(self.site(st.name, jnp.sin(u) * w, st.mode, ctx, sites))
+
+        def plain(u: Any) -> Any:
+            return jnp.tanh(jnp.sin(u) * w)
+
+        def derivative(u: Any) -> Any:  # d plain / du, elementwise
+            return (1 - jnp.tanh(jnp.sin(u) * w) ** 2) * jnp.cos(u) * w
+        if not self.lh:
+            return [primal(env[st.src])]
+        if st.kind == "jvp":
+            gj = jax.custom_jvp(primal)
+            gj.defjvp(lambda p, t: (plain(p[0]), derivative(p[0]) * t[0]))
+            return [gj(env[st.src])]
+        gv = jax.custom_vjp(primal)
+        gv.defvjp(lambda u: (plain(u), u), lambda u, ct: (derivative(u) * ct,))
+        return [gv(env[st.src])]
 
     # -- the whole program ---------------------------------------------------------
 

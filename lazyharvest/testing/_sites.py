@@ -158,7 +158,10 @@ class Evidence:
         return self._tan[key]
 
     def constant(self, key: Key) -> bool:
-        return all_zero(self.tangent(key))
+        try:
+            return all_zero(self.tangent(key))
+        except TypeError:  # no forward mode (a custom_vjp function): no evidence
+            return False
 
     def dead(self, key: Key) -> bool:
         if self.constant(key):

@@ -551,12 +551,18 @@ def _what_applies(f: Callable, args: Sequence[Any],
     if not (float_leaves(args) and float_leaves(out_shape)):
         why = "needs floating inputs and outputs"
         return labelled, why, why
+    forward: str | None = None
+    try:  # JAX cannot run forward mode through a custom_vjp function (an
+        # error only when run: not seen by eval_shape)
+        jax.linearize(f, *args)[1](*random_like(args, 0))
+    except TypeError as e:
+        forward = f"f is not forward-differentiable ({type(e).__name__})"
     try:
         ct = random_like(out_shape, 0)
         jax.eval_shape(lambda *a: jax.vjp(f, *a)[1](ct), *args)
     except Exception as e:  # noqa: BLE001
-        return labelled, None, f"f is not reverse-differentiable ({type(e).__name__})"
-    return labelled, None, None
+        return labelled, forward, f"f is not reverse-differentiable ({type(e).__name__})"
+    return labelled, forward, None
 
 
 class _Runner:

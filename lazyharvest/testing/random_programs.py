@@ -17,7 +17,8 @@ import numpy as np
 from lazyharvest.keys import Key
 from lazyharvest.testing._oracle import Interpreter
 from lazyharvest.testing.statements import (
-    B, Bin, Cond, Jit, Lin, N, Op, Output, Red, Remat, Repeat, Scan, Scope, Sow, While)
+    B, Bin, Cond, Custom, Jit, Lin, N, Op, Output, Red, Remat, Repeat, Scan, Scope, Sow,
+    While)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +133,11 @@ class Program:
     def reverse_differentiable(self) -> bool:
         return "while" not in self.constructs
 
+    @property
+    def forward_differentiable(self) -> bool:
+        """JAX has no forward mode through a ``custom_vjp`` function."""
+        return not {"custom_vjp", "custom_vjp_closure"} & self.constructs
+
     def __repr__(self) -> str:
         args = "x, p" if self.tree_input else "x"
         lines = [f"def random_program({args}):  # tag={self.tag!r}, N={N}"]
@@ -203,6 +209,10 @@ def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool,
                 found.add("scan_append" if st.mode == "append" else "scan_clobber")
         elif isinstance(st, While):
             _loop_constructs(st, found, in_scan)
+        elif isinstance(st, Custom):
+            found.update({"site", st.construct})
+            if in_scan:
+                found.add("scan_append" if st.mode == "append" else "scan_clobber")
 
 
 def _loop_constructs(st: While, found: set, in_scan: bool) -> None:
@@ -234,7 +244,7 @@ def _n_created(st: Any) -> int:
 def _refs(body: tuple, out: set) -> None:
     """Every variable index a statement of ``body`` (at any depth) reads."""
     for st in body:
-        for field in ("src", "a", "b", "carry", "xs", "pred", "operand"):
+        for field in ("src", "a", "b", "carry", "xs", "pred", "operand", "closure"):
             if isinstance(getattr(st, field, None), int):
                 out.add(getattr(st, field))
         if isinstance(st, Sow):
@@ -295,7 +305,9 @@ def _variance(body: tuple, variant: list, in_loop: bool, in_remat: bool, found: 
             if in_loop and st.mode == "append" and not v:
                 found.add("invariant_append_site")
             new = [v]
-        elif isinstance(st, While):
+        elif isinstance(st, (While, Custom)):
+            if isinstance(st, Custom) and in_loop and st.mode == "append" and not env[st.src]:
+                found.add("invariant_append_site")
             new = [env[st.src]]
         else:
             raise TypeError(st)
@@ -320,7 +332,7 @@ def _once(body: tuple, scopes: tuple, out: list, looped: bool) -> None:
 
 def _clobber_loops(body: tuple, scopes: tuple, out: list, looped: bool) -> None:
     for st in body:
-        if isinstance(st, Sow) and looped and st.mode == "clobber":
+        if isinstance(st, (Sow, Custom)) and looped and st.mode == "clobber":
             out.append((*scopes, st.name))
         elif isinstance(st, Cond) and looped and st.mode == "clobber":
             out.extend((*scopes, n) for n in st.names)
@@ -393,6 +405,10 @@ def _render(body: tuple, names: list, counter: list, lines: list, ind: str) -> N
             new(_render_cond(st, names))
         elif isinstance(st, While):
             new(_render_loop(st, names))
+        elif isinstance(st, Custom):
+            w = f" * w(stop_gradient({names[st.closure]}))" if st.kind == "vjp_closure" else ""
+            new(f"custom_{st.kind.split('_')[0]}(u -> tanh(sow(sin(u){w}, name={st.name!r}, "
+                f"mode={st.mode!r})), exact rule)({names[st.src]})")
 
 
 def _render_cond(st: Cond, names: list) -> str:

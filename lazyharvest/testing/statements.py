@@ -51,6 +51,8 @@ CONSTRUCTS = frozenset({
     "zero_trip_scan",  # a scan of length 0 (sowing a clobber name)
     "zero_trip_keeps_earlier",  # a loop that never runs, its name sown before
     "nested_while", "scan_in_while",  # a clobber site in the inner loop's body
+    # a site in the primal function of a custom rule (closing over an array):
+    "custom_jvp", "custom_vjp", "custom_vjp_closure",
 })
 
 
@@ -213,6 +215,26 @@ class While:
     def has_while(self) -> bool:
         """Whether it runs a ``lax.while_loop`` (no reverse mode)."""
         return "while" in (self.kind, self.inner)
+
+
+@dataclasses.dataclass(frozen=True)
+class Custom:
+    """``g(v[src])`` with ``g(u) = tanh(sow(sin(u) * w))`` given a custom
+    derivative rule (the exact derivative, computed without the site):
+    ``kind`` ``"jvp"`` (``jax.custom_jvp``, ``w = 1``), ``"vjp"``
+    (``jax.custom_vjp``, ``w = 1``) or ``"vjp_closure"`` (``jax.custom_vjp``
+    closing over ``w = 1 + tanh(sum(stop_gradient(v[closure]))) / 2``)."""
+
+    src: int
+    name: str
+    mode: str
+    kind: str
+    closure: int = 0
+
+    @property
+    def construct(self) -> str:
+        return {"jvp": "custom_jvp", "vjp": "custom_vjp", "vjp_closure": "custom_vjp_closure"}[
+            self.kind]
 
 
 @dataclasses.dataclass(frozen=True)

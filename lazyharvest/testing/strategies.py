@@ -13,8 +13,8 @@ from typing import Any
 from lazyharvest.testing.random_programs import Program
 from lazyharvest.testing.stacks import Stack, Transform
 from lazyharvest.testing.statements import (
-    BINARY, CONSTRUCTS, REDUCE, UNARY, Bin, Cond, Jit, Lin, N, Op, Output, Red, Remat,
-    Repeat, Scan, Scope, Sow, While)
+    BINARY, CONSTRUCTS, REDUCE, UNARY, Bin, Cond, Custom, Jit, Lin, N, Op, Output, Red,
+    Remat, Repeat, Scan, Scope, Sow, While)
 
 #: The statements a Python loop's layer may hold (see ``_Gen.repeat``).
 LAYER_KINDS = ("op", "op", "bin", "lin", "red", "sow", "sow", "pytree_site", "constant",
@@ -64,6 +64,8 @@ class _Gen:
         """The statement kinds a block at ``depth`` draws from (within ``only``)."""
         kinds = ["op", "op", "bin", "lin", "red", "sow", "sow"]
         kinds += [k for k in ("pytree_site", "constant") if k in self.allowed]
+        if {"custom_jvp", "custom_vjp", "custom_vjp_closure"} & self.allowed:
+            kinds.append("custom")
         if depth < self.max_depth:
             kinds += [k for k in ("scope", "jit", "checkpoint", "scan", "cond", "switch",
                                   "while") if k in self.allowed]
@@ -112,7 +114,18 @@ class _Gen:
             return self.while_loop(shapes, scopes, kind)
         if kind in ("python_loop", "jit_layer"):
             return self.repeat(kind, shapes, scopes, depth)
+        if kind == "custom":
+            return self.custom(shapes, scopes, loop)
         raise ValueError(kind)
+
+    def custom(self, shapes: list, scopes: tuple, loop: bool) -> tuple[Any, list]:
+        """A function with a custom rule whose primal body sows."""
+        kinds = [k for k, c in (("jvp", "custom_jvp"), ("vjp", "custom_vjp"),
+                                ("vjp_closure", "custom_vjp_closure")) if c in self.allowed]
+        src = self.pick(shapes)
+        kind = self.draw(self.st().sampled_from(kinds))
+        return Custom(src, self.name(scopes), self.mode(loop), kind, self.pick(shapes)), [
+            shapes[src]]
 
     def arithmetic(self, kind: str, shapes: list) -> tuple[Any, list]:
         st, draw, vec = self.st(), self.draw, (N,)
@@ -283,7 +296,8 @@ def transform_stacks(program: Program, *, max_depth: int = 3,
 
     Up to ``max_depth`` recorded transforms, innermost first; ``grad`` only
     where the function is scalar, ``grad``/``jacrev`` only where it is
-    reverse-differentiable (no ``while_loop``); ``vmap`` with random ``in_axes`` (0, -1 or
+    reverse-differentiable (no ``while_loop``), ``jacfwd`` only where it is
+    forward-differentiable (no ``custom_vjp``); ``vmap`` with random ``in_axes`` (0, -1 or
     per argument, one of them ``None``) and ``out_axes`` (0, -1, or for a
     pytree output a matching pytree).
     """
@@ -298,7 +312,8 @@ def transform_stacks(program: Program, *, max_depth: int = 3,
         out: list = []
         for _ in range(depth):
             options = [k for k in kinds if (k != "grad" or scalar)
-                       and (k not in ("grad", "jacrev") or program.reverse_differentiable)]
+                       and (k not in ("grad", "jacrev") or program.reverse_differentiable)
+                       and (k != "jacfwd" or program.forward_differentiable)]
             kind = draw(st.sampled_from(options))
             if kind == "vmap":
                 axes_options: list = [0, -1]
