@@ -17,8 +17,8 @@ import numpy as np
 from lazyharvest.keys import Key
 from lazyharvest.testing._oracle import Interpreter
 from lazyharvest.testing.statements import (
-    B, Bin, Cond, Custom, Jit, Lin, N, Op, Output, Red, Remat, Repeat, Scan, Scope, Sow,
-    While)
+    LABEL_NAMES, B, Bin, Cond, Custom, Jit, Lin, N, Op, Output, Red, Remat, Repeat, Scan,
+    Scope, Sow, While)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +160,8 @@ def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool,
     for st in body:
         if in_remat and getattr(st, "mode", "") == "append":
             found.add("checkpoint_append")
+        if set(getattr(st, "names", (getattr(st, "name", ""),))) & set(LABEL_NAMES):
+            found.add("label_names")
         if isinstance(st, Op):
             found.add("elementwise")
         elif isinstance(st, Bin):
@@ -363,22 +365,7 @@ def _render(body: tuple, names: list, counter: list, lines: list, ind: str) -> N
         elif isinstance(st, Red):
             new(f"{st.fn}({names[st.src]})")
         elif isinstance(st, Sow):
-            if st.const is not None:
-                val = f"const{st.const}"
-            elif len(st.srcs) == 1:
-                val = names[st.srcs[0]]
-            else:
-                val = f'{{"a": {names[st.srcs[0]]}, "b": {names[st.srcs[1]]}}}'
-            if len(st.srcs) == 2 and st.const is None:
-                a, b = f"v{counter[0]}", f"v{counter[0] + 1}"
-                counter[0] += 2
-                names += [a, b]
-                lines.append(f'{ind}{a}, {b} = sow({val}, name={st.name!r}, '
-                             f'mode={st.mode!r}).values()')
-            else:
-                if st.stop_gradient:
-                    val = f"stop_gradient({val})"
-                new(f"sow({val}, name={st.name!r}, mode={st.mode!r})")
+            _render_sow(st, names, counter, lines, ind)
         elif isinstance(st, (Scope, Jit, Remat)):
             head = {Scope: lambda: f"nest(scope={getattr(st, 'scope', '')!r})",
                     Jit: lambda: "jax.jit", Remat: lambda: "jax.checkpoint"}[type(st)]()
@@ -409,6 +396,32 @@ def _render(body: tuple, names: list, counter: list, lines: list, ind: str) -> N
             w = f" * w(stop_gradient({names[st.closure]}))" if st.kind == "vjp_closure" else ""
             new(f"custom_{st.kind.split('_')[0]}(u -> tanh(sow(sin(u){w}, name={st.name!r}, "
                 f"mode={st.mode!r})), exact rule)({names[st.src]})")
+
+
+def _render_sow(st: Sow, names: list, counter: list, lines: list, ind: str) -> None:
+    if st.const is not None:
+        val = f"const{st.const}"
+    elif len(st.srcs) == 1:
+        val = names[st.srcs[0]]
+    else:
+        val = f'{{"a": {names[st.srcs[0]]}, "b": {names[st.srcs[1]]}}}'
+    if len(st.srcs) == 2 and st.const is None:
+        a, b = f"v{counter[0]}", f"v{counter[0] + 1}"
+        counter[0] += 2
+        names += [a, b]
+        lines.append(f'{ind}{a}, {b} = sow({val}, name={st.name!r}, '
+                     f'mode={st.mode!r}).values()')
+    else:
+        if st.stop_gradient:
+            val = f"stop_gradient({val})"
+        _new_var(names, counter, lines, ind, f"sow({val}, name={st.name!r}, mode={st.mode!r})")
+
+
+def _new_var(names: list, counter: list, lines: list, ind: str, expr: str) -> None:
+    v = f"v{counter[0]}"
+    counter[0] += 1
+    names.append(v)
+    lines.append(f"{ind}{v} = {expr}")
 
 
 def _render_cond(st: Cond, names: list) -> str:

@@ -53,7 +53,11 @@ CONSTRUCTS = frozenset({
     "nested_while", "scan_in_while",  # a clobber site in the inner loop's body
     # a site in the primal function of a custom rule (closing over an array):
     "custom_jvp", "custom_vjp", "custom_vjp_closure",
+    "label_names",  # sites named like the labels of keys ("jvp", "vjp", ...)
 })
+
+#: Site names spelled like labels (docs/semantics.md, section 2).
+LABEL_NAMES = ("grad", "jvp", "vjp", "vmap", "jit")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 from lazyharvest.testing.random_programs import Program
 from lazyharvest.testing.stacks import Stack, Transform
 from lazyharvest.testing.statements import (
-    BINARY, CONSTRUCTS, REDUCE, UNARY, Bin, Cond, Custom, Jit, Lin, N, Op, Output, Red,
+    BINARY, CONSTRUCTS, LABEL_NAMES, REDUCE, UNARY, Bin, Cond, Custom, Jit, Lin, N, Op, Output, Red,
     Remat, Repeat, Scan, Scope, Sow, While)
 
 #: The statements a Python loop's layer may hold (see ``_Gen.repeat``).
@@ -43,6 +43,7 @@ class _Gen:
         self.max_statements = max_statements
         self.max_depth = max_depth
         self.names: dict[tuple, int] = {}
+        self.labels: dict[tuple, set] = {}
         self.n_scopes = 0
         self.n_sites = 0
 
@@ -50,9 +51,17 @@ class _Gen:
         return _strategies()
 
     def name(self, scopes: tuple) -> str:
+        """A new site name in ``scopes``: ``s0, s1, ...``, or now and then
+        (``label_names``) one spelled like a label."""
         n = self.names.get(scopes, 0)
         self.names[scopes] = n + 1
         self.n_sites += 1
+        if "label_names" in self.allowed and self.draw(self.st().integers(0, 5)) == 5:
+            used = self.labels.setdefault(scopes, set())
+            free = [w for w in LABEL_NAMES if w not in used]
+            if free:
+                used.add(free[0])
+                return free[0]
         return f"s{n}"
 
     def pick(self, shapes: list, want: tuple | None = None) -> int:
