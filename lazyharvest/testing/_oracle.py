@@ -230,7 +230,8 @@ class Interpreter:
 
         def layer(env_tuple: tuple, h: Any, sub: Ctx) -> tuple:
             new, layer_sites = self.block(st.body, [*env_tuple, h], sub)
-            return 0.5 * h + jnp.tanh(_fit(new[-1], shape)), layer_sites
+            total = sum(_fit(v, shape) for v in (new if st.dense else new[-1:]))
+            return 0.5 * h + jnp.tanh(total), layer_sites
         if self.lh:
             run = jax.jit(lambda e, h: layer(e, h, ctx)[0]) if st.jit else (
                 lambda e, h: layer(e, h, ctx)[0])

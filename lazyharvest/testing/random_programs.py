@@ -386,7 +386,8 @@ def _render(body: tuple, names: list, counter: list, lines: list, ind: str) -> N
             head = "layer = jax.jit(layer); " if st.jit else ""
             lines.append(f"{ind}{head}for _ in range({st.times}):  # layer(h)")
             _render(st.body, names + ["h"], counter, lines, ind + "    ")
-            lines.append(f"{ind}    h = 0.5 * h + tanh(fit(<last>))")
+            t = "fit(every layer variable), summed" if st.dense else "fit(<last>)"
+            lines.append(f"{ind}    h = 0.5 * h + tanh({t})")
             new("h")
         elif isinstance(st, Cond):
             new(_render_cond(st, names))

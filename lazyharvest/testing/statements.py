@@ -151,6 +151,7 @@ class Repeat:
     body: tuple
     times: int
     jit: bool = False
+    dense: bool = False  # ``t`` sums every layer variable, not only the last
 
 
 @dataclasses.dataclass(frozen=True)

@@ -245,7 +245,7 @@ class _Gen:
         if not any(isinstance(s, (Sow, Remat)) for s in body):  # a layer sows
             body += (Sow(self.name(scopes), (len(inner) + len(new) - 1,), self.mode(True)),)
         times = self.draw(self.st().integers(2, 3))
-        return Repeat(src, body, times, kind == "jit_layer"), [shapes[src]]
+        return Repeat(src, body, times, kind == "jit_layer", not self.dead_code), [shapes[src]]
 
 
 def programs(*, exclude: Iterable[str] = (), max_statements: int = 5, max_depth: int = 2,
