@@ -260,16 +260,13 @@ class Interpreter:
         """The cond's output and (oracle) each name's value after it: the taken
         branch's, or the earlier one where that branch does not sow the name."""
         total = jnp.sum(pred)
-        if st.kind == "cond":
-            index = jnp.where(total > 0, 0, 1)
-        else:
-            index = (total > 0).astype(jnp.int32) + (total > 1).astype(jnp.int32)
+        index = (total > 0).astype(jnp.int32) + (total > 1).astype(jnp.int32)
         n_br = len(st.branches)
         earlier = [jnp.zeros_like(operand)] * len(st.names)
-        if st.pre:  # the pre-sow is the reaped occurrence where the branch does not sow
+        if st.pre:  # the value where the taken branch does not sow the name; its
+            # cotangent is zeros there (docs/semantics.md section 3): no perturbation
             for j, n in enumerate(st.names):
-                unsown = jnp.asarray([j not in st.sown_by(b) for b in range(n_br)])[index]
-                operand = self.site(n, operand, "clobber", ctx.only_if(unsown), {})
+                operand = self.site(n, operand, "clobber", ctx.only_if(False), {})
                 earlier[j] = operand
 
         def make(b: int) -> Callable:
