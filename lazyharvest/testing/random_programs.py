@@ -187,6 +187,8 @@ def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool,
             _constructs(st.body, found, scope_depth + 1, in_scan, in_remat)
         elif isinstance(st, Jit):
             found.add("jit")
+            if any(isinstance(s, Sow) and s.const is not None for s in st.body):
+                found.add("constant_in_jit")
             _constructs(st.body, found, scope_depth, in_scan, in_remat)
         elif isinstance(st, Remat):
             found.add("checkpoint")

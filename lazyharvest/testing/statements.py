@@ -54,6 +54,7 @@ CONSTRUCTS = frozenset({
     # a site in the primal function of a custom rule (closing over an array):
     "custom_jvp", "custom_vjp", "custom_vjp_closure",
     "label_names",  # sites named like the labels of keys ("jvp", "vjp", ...)
+    "constant_in_jit",  # a constant site directly inside jax.jit
 })
 
 #: Site names spelled like labels (docs/semantics.md, section 2).
