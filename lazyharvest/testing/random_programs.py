@@ -155,6 +155,21 @@ def _insert(shape: tuple, ax: int) -> tuple:
     return shape[:ax] + (B,) + shape[ax:]
 
 
+_ARITHMETIC = {Op: "elementwise", Bin: "binary", Lin: "linear", Red: "reduction"}
+
+
+def _sow_constructs(st: Sow, found: set, in_scan: bool) -> None:
+    found.add("site")
+    if st.const is not None:
+        found.add("constant")
+    if len(st.srcs) == 2:
+        found.add("pytree_site")
+    if st.stop_gradient:
+        found.add("stop_gradient_site")
+    if in_scan:
+        found.add("scan_append" if st.mode == "append" else "scan_clobber")
+
+
 def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool,
                 in_remat: bool = False) -> None:
     for st in body:
@@ -162,24 +177,10 @@ def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool,
             found.add("checkpoint_append")
         if set(getattr(st, "names", (getattr(st, "name", ""),))) & set(LABEL_NAMES):
             found.add("label_names")
-        if isinstance(st, Op):
-            found.add("elementwise")
-        elif isinstance(st, Bin):
-            found.add("binary")
-        elif isinstance(st, Lin):
-            found.add("linear")
-        elif isinstance(st, Red):
-            found.add("reduction")
+        if isinstance(st, (Op, Bin, Lin, Red)):
+            found.add(_ARITHMETIC[type(st)])
         elif isinstance(st, Sow):
-            found.add("site")
-            if st.const is not None:
-                found.add("constant")
-            if len(st.srcs) == 2:
-                found.add("pytree_site")
-            if st.stop_gradient:
-                found.add("stop_gradient_site")
-            if in_scan:
-                found.add("scan_append" if st.mode == "append" else "scan_clobber")
+            _sow_constructs(st, found, in_scan)
         elif isinstance(st, Scope):
             found.add("scope")
             if scope_depth >= 1:
