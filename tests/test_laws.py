@@ -29,6 +29,27 @@ needs_derivative_sites = pytest.mark.skipif(
 FAST_CONSTRUCTS = {"cond", "scan", "while", "jit", "checkpoint"}
 
 
+# Open bugs the generator's constructs find (docs/laws.md, "Bugs the laws
+# found"; reproducers there): the per-construct test leaves out these laws,
+# the property tests of these laws leave out the construct.
+KNOWN_BUGS = {
+    # the linear function of a while_loop that never runs reaps zeros, not the
+    # value sown before the loop
+    "zero_trip_keeps_earlier": {1, 7},
+    # a site in a custom_jvp function has no value key under jax.jvp / jax.grad,
+    # and no derivative keys (the strict-key tests leave it out too)
+    "custom_jvp": {2, 7},
+    # a site in a custom_vjp function has no value key under jax.vjp, and no
+    # cotangent key in the backward function
+    "custom_vjp": {5, 7},
+    "custom_vjp_closure": {5, 7},
+}
+# the constructs whose bugs are in reverse mode (laws 5 and 7)
+REVERSE_BUGS = {"custom_vjp", "custom_vjp_closure"}
+# JAX has no forward mode through custom_vjp: laws 1 and 2 do not apply there
+NO_FORWARD = {"custom_vjp", "custom_vjp_closure"}
+
+
 def constructs(names):
     def marks(c):
         return [] if c in FAST_CONSTRUCTS else [slow]
@@ -51,7 +72,7 @@ def program_and_args(draw, **kw):
 
 @FEW
 @slow
-@given(program_and_args())
+@given(program_and_args(exclude={"zero_trip_keeps_earlier"} | NO_FORWARD))  # KNOWN_BUGS
 def test_law1_linearize(pa):
     p, args = pa
     T.check_linearize(p.fn, *args, tag=p.tag)
@@ -59,7 +80,7 @@ def test_law1_linearize(pa):
 
 @FEW
 @slow
-@given(program_and_args())
+@given(program_and_args(exclude={"custom_jvp"} | NO_FORWARD))  # KNOWN_BUGS
 def test_law2_jvp(pa):
     p, args = pa
     T.check_jvp(p.fn, *args, tag=p.tag)
@@ -94,11 +115,12 @@ def test_law4_recorded_jit(pa):
 
 @FEW
 @slow
-# no reverse mode through while_loop
-@given(program_and_args(exclude={"while"}))
-def test_law5_vjp(pa):
+# no reverse mode through while_loop; REVERSE_BUGS: KNOWN_BUGS. Cotangents
+# planted at a random subset of sites.
+@given(program_and_args(exclude={"while"} | REVERSE_BUGS), st.integers(0, 2 ** 16))
+def test_law5_vjp(pa, seed):
     p, args = pa
-    T.check_vjp(p.fn, *args, tag=p.tag)
+    T.check_vjp(p.fn, *args, tag=p.tag, subset=seed)
 
 
 @needs_derivative_sites
@@ -106,7 +128,7 @@ def test_law5_vjp(pa):
 # where docs/laws.md narrows the law: constant sites in jax.checkpoint under
 # linearize/vjp, and the linear function of a while_loop.
 @FEW
-@given(program_and_args(exclude={"checkpoint", "while"}))
+@given(program_and_args(exclude={"checkpoint", "while", "custom_jvp"} | NO_FORWARD))
 def test_law1_linearize_strict_keys(pa):
     p, args = pa
     T.check_linearize(p.fn, *args, tag=p.tag, strict_keys=True)
@@ -114,7 +136,7 @@ def test_law1_linearize_strict_keys(pa):
 
 @needs_derivative_sites
 @FEW
-@given(program_and_args())
+@given(program_and_args(exclude={"custom_jvp"} | NO_FORWARD))  # KNOWN_BUGS
 def test_law2_jvp_strict_keys(pa):
     p, args = pa
     T.check_jvp(p.fn, *args, tag=p.tag, strict_keys=True)
@@ -122,7 +144,7 @@ def test_law2_jvp_strict_keys(pa):
 
 @needs_derivative_sites
 @FEW
-@given(program_and_args(exclude={"checkpoint", "while"}))
+@given(program_and_args(exclude={"checkpoint", "while", "custom_jvp"} | REVERSE_BUGS))
 def test_law5_vjp_strict_keys(pa):
     p, args = pa
     T.check_vjp(p.fn, *args, tag=p.tag, strict_keys=True)
@@ -130,33 +152,36 @@ def test_law5_vjp_strict_keys(pa):
 
 @FEW
 @slow
-@given(program_and_args())
-def test_law6_roundtrip(pa):
+@given(program_and_args(), st.integers(0, 2 ** 16))
+def test_law6_roundtrip(pa, seed):
+    # a random subset of the sites is planted; the others pass through
     p, args = pa
-    T.check_roundtrip(p.fn, *args, tag=p.tag)
+    T.check_roundtrip(p.fn, *args, tag=p.tag, subset=seed)
 
 
 @FEW
 @slow
-@given(program_and_args())
+@given(program_and_args(exclude={"zero_trip_keeps_earlier", "custom_jvp"}))  # KNOWN_BUGS
 def test_law7_lazy_equals_direct_definition(pa):
     p, args = pa
-    T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices)
+    T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices, forward=p.forward_differentiable)
 
 
 @FEW
 @slow
-@given(program_and_args(exclude={"while"}))
+@given(program_and_args(exclude={"while", "custom_jvp"} | REVERSE_BUGS))  # KNOWN_BUGS
 def test_law7_reverse_mode_keys(pa):
     p, args = pa
-    T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices, perturb=p.perturb)
+    T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices, perturb=p.perturb,
+                 forward=p.forward_differentiable)
 
 
 @needs_derivative_sites
 @FEW
-@given(program_and_args(exclude={"while", "checkpoint"}))
+@given(program_and_args(exclude={"while", "checkpoint", "custom_jvp"} | REVERSE_BUGS))
 def test_law7_strict_keys(pa):
-    # every derivative key, dead and constant sites included (SPEC 9)
+    # every derivative key, dead and constant sites included (SPEC 9);
+    # custom rules: KNOWN_BUGS
     p, args = pa
     T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices, perturb=p.perturb,
                  strict_keys=True)
@@ -194,13 +219,15 @@ def test_law9_nest(pa):
 def test_every_law_on_construct(construct):
     p = simplest_with(construct)
     args = p.example_args(7)
-    laws = set(T.LAWS)
+    laws = set(T.LAWS) - KNOWN_BUGS.get(construct, set())
     reverse = p.reverse_differentiable
     report = T.check_all(p.fn, *args, tag=p.tag, slices=p.slices, laws=laws,
                          perturb=p.perturb if reverse else None)
     expected = set(laws)
     if not p.reverse_differentiable:
         expected -= {5}  # no reverse mode through while_loop
+    if not p.forward_differentiable:
+        expected -= {1, 2}  # no forward mode through custom_vjp
     assert set(report.passed()) == expected, str(report)
 
 

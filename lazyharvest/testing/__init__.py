@@ -25,8 +25,8 @@ from lazyharvest.testing.laws import (
 from lazyharvest.testing.random_programs import Program
 from lazyharvest.testing.stacks import DIFFERENTIAL, STRUCTURAL, Stack, Transform
 from lazyharvest.testing.statements import (
-    BINARY, CONSTRUCTS, REDUCE, UNARY, B, Bin, Cond, Jit, Lin, N, Op, Output, Red,
-    Remat, Scan, Scope, Sow, While)
+    BINARY, CONSTRUCTS, REDUCE, UNARY, B, Bin, Cond, Custom, Jit, Lin, N, Op, Output, Red,
+    Remat, Repeat, Scan, Scope, Sow, While)
 from lazyharvest.testing.strategies import inputs, programs, transform_stacks
 
 __all__ = [

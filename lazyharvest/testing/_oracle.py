@@ -18,8 +18,8 @@ from jax import lax
 import lazyharvest as lh
 from lazyharvest.keys import normalize
 from lazyharvest.testing.statements import (
-    BINARY, REDUCE, UNARY, Bin, Cond, Jit, Lin, N, Op, Output, Red, Remat, Scan, Scope,
-    Sow, While)
+    BINARY, REDUCE, UNARY, Bin, Cond, Custom, Jit, Lin, N, Op, Output, Red, Remat, Repeat,
+    Scan, Scope, Sow, While)
 
 
 class Description(Protocol):
@@ -64,6 +64,15 @@ def _fit(v: Any, shape: tuple) -> Any:
     return jnp.broadcast_to(v, shape)
 
 
+def _loop(kind: str, n: int, body: Callable, state: tuple) -> tuple:
+    """``state = body(i, state)`` for ``i < n``: a ``lax.while_loop`` or a ``lax.scan``."""
+    if kind == "while":
+        out = lax.while_loop(lambda s: s[0] < n, lambda s: (s[0] + 1, *body(s[0], s[1:])),
+                             (0, *state))
+        return tuple(out[1:])
+    return lax.scan(lambda s, i: (tuple(body(i, s)), None), state, jnp.arange(n))[0]
+
+
 class Ctx:
     """Where a statement runs: nest scopes, and (oracle) the loop it is in."""
 
@@ -77,6 +86,11 @@ class Ctx:
         idx = i if self.idx is None else self.idx * length + i
         last = is_last if self.last is None else jnp.logical_and(self.last, is_last)
         return Ctx(self.scopes, idx, last)
+
+    def only_if(self, cond: Any) -> Ctx:
+        """A clobber occurrence that is reaped only where ``cond`` holds."""
+        last = cond if self.last is None else jnp.logical_and(self.last, cond)
+        return Ctx(self.scopes, self.idx, last)
 
 
 class Interpreter:
@@ -144,6 +158,8 @@ class Interpreter:
                 value: Any = jnp.asarray(st.constant())
             elif len(st.srcs) == 1:
                 value = env[st.srcs[0]]
+                if st.stop_gradient:
+                    value = lax.stop_gradient(value)
             else:
                 value = {"a": env[st.srcs[0]], "b": env[st.srcs[1]]}
             out = self.site(st.name, value, st.mode, ctx, sites)
@@ -152,10 +168,15 @@ class Interpreter:
             return self.wrapped(st, env, ctx, sites)
         if isinstance(st, Scan):
             return self.scan(st, env, ctx, sites)
+        if isinstance(st, Repeat):
+            return self.repeat(st, env, ctx, sites)
         if isinstance(st, Cond):
-            return self.cond(st, env, ctx, sites)
+            run = self.vmap_cond if st.vmap else self.cond
+            return run(st, env, ctx, sites)
         if isinstance(st, While):
             return self.while_(st, env, ctx, sites)
+        if isinstance(st, Custom):
+            return self.custom(st, env, ctx, sites)
         raise TypeError(f"unknown statement {st!r}")
 
     def wrapped(self, st: Any, env: list, ctx: Ctx, sites: dict) -> list:
@@ -202,49 +223,149 @@ class Interpreter:
                 sites[k] = (modes[k], jax.tree_util.tree_map(lambda a: a[last_i], v))
         return [c, ys]
 
-    def cond(self, st: Cond, env: list, ctx: Ctx, sites: dict) -> list:
-        total = jnp.sum(env[st.pred])
+    def repeat(self, st: Repeat, env: list, ctx: Ctx, sites: dict) -> list:
+        """A Python loop over layers: every layer's sites in program order."""
+        h = env[st.src]
+        shape = _shape_of(h)
 
-        def make(ops: tuple) -> Callable:
-            def branch(v: Any) -> Any:
-                local: dict = {}
-                for j, op in enumerate(ops):
-                    v = UNARY[op](v)
-                    if j in st.sites:
-                        v = self.site(st.names[st.sites.index(j)], v, st.mode, ctx, local)
-                return v, {k: val for k, (_, val) in local.items()}
-            return branch
-        branches = [make(ops) for ops in st.branches]
-        if st.kind == "cond":
-            out, chosen = lax.cond(total > 0, branches[0], branches[1], env[st.operand])
-        else:
-            index = (total > 0).astype(jnp.int32) + (total > 1).astype(jnp.int32)
-            out, chosen = lax.switch(index, branches, env[st.operand])
+        def layer(env_tuple: tuple, h: Any, sub: Ctx) -> tuple:
+            new, layer_sites = self.block(st.body, [*env_tuple, h], sub)
+            total = sum(_fit(v, shape) for v in (new if st.dense else new[-1:]))
+            return 0.5 * h + jnp.tanh(total), layer_sites
+        if self.lh:
+            run = jax.jit(lambda e, h: layer(e, h, ctx)[0]) if st.jit else (
+                lambda e, h: layer(e, h, ctx)[0])
+            for _ in range(st.times):
+                h = run(tuple(env), h)
+            return [h]
+        layers = []
+        for i in range(st.times):
+            h, layer_sites = layer(tuple(env), h, ctx.iteration(i, st.times, i == st.times - 1))
+            layers.append(layer_sites)
+        for k, (mode, _) in layers[0].items():
+            if mode == "append":  # occurrences stack in program order
+                sites[k] = (mode, jax.tree_util.tree_map(
+                    lambda *a: jnp.concatenate(a), *[s[k][1] for s in layers]))
+            else:
+                sites[k] = layers[-1][k]
+        return [h]
+
+    def cond(self, st: Cond, env: list, ctx: Ctx, sites: dict) -> list:
+        out, chosen = self._cond(st, env[st.pred], env[st.operand], ctx)
         for k, v in chosen.items():
             sites[k] = (st.mode, v)
         return [out]
 
-    def while_(self, st: While, env: list, ctx: Ctx, sites: dict) -> list:
-        v0 = env[st.src]
+    def _cond(self, st: Cond, pred: Any, operand: Any, ctx: Ctx) -> tuple[Any, dict]:
+        """The cond's output and (oracle) each name's value after it: the taken
+        branch's, or the earlier one where that branch does not sow the name."""
+        total = jnp.sum(pred)
+        index = (total > 0).astype(jnp.int32) + (total > 1).astype(jnp.int32)
+        n_br = len(st.branches)
+        earlier = [jnp.zeros_like(operand)] * len(st.names)
+        if st.pre:  # the value where the taken branch does not sow the name; its
+            # cotangent is zeros there (docs/semantics.md section 3): no perturbation
+            for j, n in enumerate(st.names):
+                operand = self.site(n, operand, "clobber", ctx.only_if(False), {})
+                earlier[j] = operand
 
-        def chain(v: Any, local: dict) -> Any:
+        def make(b: int) -> Callable:
+            def branch(v: Any) -> Any:
+                local: dict = {}
+                for j, op in enumerate(st.branches[b]):
+                    v = UNARY[op](v)
+                    if j in st.sites and st.sites.index(j) in st.sown_by(b):
+                        v = self.site(st.names[st.sites.index(j)], v, st.mode, ctx, local)
+                if self.lh:
+                    return v, {}
+                keys = [(*ctx.scopes, n) for n in st.names]
+                return v, {k: local[k][1] if k in local else earlier[j]
+                           for j, k in enumerate(keys)}
+            return branch
+        branches = [make(b) for b in range(n_br)]
+        if st.kind == "cond":
+            return lax.cond(total > 0, branches[0], branches[1], operand)
+        return lax.switch(index, branches, operand)
+
+    def vmap_cond(self, st: Cond, env: list, ctx: Ctx, sites: dict) -> list:
+        """``jax.vmap`` of the cond over ``[(p, u), (-p, -u)]``: the predicates
+        differ per element. The oracle runs the elements one by one, with the
+        plants and perturbations of each element (axis 0; axis 1 for append)."""
+        preds = jnp.stack([env[st.pred], -env[st.pred]])
+        operands = jnp.stack([env[st.operand], -env[st.operand]])
+        if self.lh:
+            outs = jax.vmap(lambda p, u: self._cond(st, p, u, ctx)[0])(preds, operands)
+            return [outs[0] + 0.5 * outs[1]]
+        axis = 1 if st.mode == "append" else 0
+        keys = {(*ctx.scopes, n) for n in st.names}
+
+        def element(table: dict, b: int) -> dict:
+            return {k: jax.tree_util.tree_map(lambda a: jnp.take(a, b, axis), v)
+                    if k in keys else v for k, v in table.items()}
+        outs, chosen = [], []
+        for b in range(2):
+            sub = Interpreter(self.prog, False, element(self.plants, b), element(self.eps, b))
+            out, c = sub._cond(st, preds[b], operands[b], ctx)
+            outs.append(out)
+            chosen.append(c)
+        for k in chosen[0]:
+            sites[k] = (st.mode, jax.tree_util.tree_map(
+                lambda *a: jnp.stack(a, axis), *[c[k] for c in chosen]))
+        return [outs[0] + 0.5 * outs[1]]
+
+    def while_(self, st: While, env: list, ctx: Ctx, sites: dict) -> list:
+        """The loop carries ``(v, last)``: ``last`` is the site's value so far
+        (the pre-sow's, zeros if none): the last evaluation when the loop ends."""
+        def sow(v: Any, reaped: Any) -> Any:
+            return self.site(st.name, v, "clobber", ctx.only_if(reaped), {})
+
+        def chain(v: Any, reaped: Any) -> tuple:
             for op in st.ops:
                 v = UNARY[op](v)
-            return self.site(st.name, v, "clobber", ctx, local)
+            v = sow(v, reaped)
+            return v, v
+        v = env[st.src]
+        last = jnp.zeros_like(v)
+        if st.pre:  # reaped when no trip sows
+            runs = st.trips > 0 and (not st.inner or st.inner_trips > 0)
+            v = last = sow(v, not runs)
 
-        if self.lh:
-            _, v = lax.while_loop(lambda s: s[0] < st.trips,
-                                  lambda s: (s[0] + 1, chain(s[1], {})), (0, v0))
-            return [v]
-
-        def body(s: Any) -> Any:
-            i, v, _ = s
-            v = chain(v, {})
-            return i + 1, v, v
-        _, v, last = lax.while_loop(lambda s: s[0] < st.trips, body,
-                                    (0, v0, jnp.zeros_like(v0)))
-        sites[(*ctx.scopes, st.name)] = ("clobber", last)
+        def step(i: Any, state: tuple) -> tuple:
+            final = i == st.trips - 1
+            if not st.inner:
+                return chain(state[0], final)
+            m = st.inner_trips
+            return _loop(st.inner, m, lambda j, s: chain(s[0], jnp.logical_and(final, j == m - 1)),
+                         state)
+        v, last = _loop(st.kind, st.trips, step, (v, last))
+        if not self.lh:
+            sites[(*ctx.scopes, st.name)] = ("clobber", last)
         return [v]
+
+    def custom(self, st: Custom, env: list, ctx: Ctx, sites: dict) -> list:
+        """``tanh(sow(sin(u) * w))``; with lazyharvest, under its custom rule
+        (the oracle needs no rule: JAX differentiates the plain function)."""
+        w: Any = 1.0
+        if st.kind == "vjp_closure":  # an intermediate: the rule closes over it
+            w = 1.0 + 0.5 * jnp.tanh(jnp.sum(lax.stop_gradient(env[st.closure])))
+
+        def primal(u: Any) -> Any:
+            return jnp.tanh(self.site(st.name, jnp.sin(u) * w, st.mode, ctx, sites))
+
+        def plain(u: Any) -> Any:
+            return jnp.tanh(jnp.sin(u) * w)
+
+        def derivative(u: Any) -> Any:  # d plain / du, elementwise
+            return (1 - jnp.tanh(jnp.sin(u) * w) ** 2) * jnp.cos(u) * w
+        if not self.lh:
+            return [primal(env[st.src])]
+        if st.kind == "jvp":
+            gj = jax.custom_jvp(primal)
+            gj.defjvp(lambda p, t: (plain(p[0]), derivative(p[0]) * t[0]))
+            return [gj(env[st.src])]
+        gv = jax.custom_vjp(primal)
+        gv.defvjp(lambda u: (plain(u), u), lambda u, ct: (derivative(u) * ct,))
+        return [gv(env[st.src])]
 
     # -- the whole program ---------------------------------------------------------
 

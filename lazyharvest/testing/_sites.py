@@ -43,6 +43,11 @@ def split_labels(key: Key) -> tuple[tuple, tuple]:
 
 
 def get_nested(tree: Mapping, key: Key) -> Any:
+    """The leaf of ``key`` in ``compute()``'s nested dicts: a key that is also
+    a prefix of other keys (a site named like a label) is there under its
+    whole tuple, at the top level."""
+    if isinstance(key, tuple) and key in tree:
+        return tree[key]
     node: Any = tree
     for part in key:
         node = node[part]
@@ -158,7 +163,10 @@ class Evidence:
         return self._tan[key]
 
     def constant(self, key: Key) -> bool:
-        return all_zero(self.tangent(key))
+        try:
+            return all_zero(self.tangent(key))
+        except TypeError:  # no forward mode (a custom_vjp function): no evidence
+            return False
 
     def dead(self, key: Key) -> bool:
         if self.constant(key):

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import lazyharvest as lh
 from lazyharvest.keys import Key, display, normalize
@@ -175,6 +176,17 @@ def check_jit(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     compare_dicts(_law(4, "jit(reap(f))"), staged, want, rtol, atol)
 
 
+def _subset(keys: Sequence[Key], seed: int | None) -> list[Key]:
+    """``keys``, or with a ``seed`` a random non-empty subset of them: a plant
+    of some sites must leave the others as they were."""
+    keys = list(keys)
+    if seed is None or not keys:
+        return keys
+    chosen = np.random.RandomState(seed).rand(len(keys)) < 0.5
+    chosen[np.random.RandomState(seed + 1).randint(len(keys))] = True
+    return [k for k, c in zip(keys, chosen) if c]
+
+
 def _plant_gradient(f: Callable, args: Sequence[Any], tag: Hashable, key: Key, value: Any,
                     ct_out: Any) -> Any:
     """``grad_p <ct_out, plant(f)({key: p}, *args)>`` at ``p = value``."""
@@ -197,7 +209,7 @@ def _vjp_of_call_and_reap(f: Callable, args: Sequence[Any], tag: Hashable, ct_ou
 def check_vjp(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
               atol: float = ATOL, keys: Iterable[Any] | None = None,
               plant_keys: Iterable[Any] | None = None, cotangent: Any = None,
-              strict_keys: bool = False) -> None:
+              strict_keys: bool = False, subset: int | None = None) -> None:
     """Law 5: ``reap∘vjp = vjp∘reap`` through planting (SPEC 5.5).
 
     With ``bwd = jax.vjp(f, *args)[1]`` and a random ``ct_out``:
@@ -211,7 +223,8 @@ def check_vjp(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     (a) The VJP of ``x -> (f(x), reap(f)(x))`` fed ``(ct_out, ct_sites)``
         equals ``plant(bwd)(ct_sites, ct_out)``: the backward function with
         the site cotangents planted (added). ``plant_keys``: the sites given
-        a cotangent; default every key of ``reap(bwd)``.
+        a cotangent; default every key of ``reap(bwd)``, or with ``subset``
+        (a seed) a random non-empty subset of them.
     """
     law_a, law_b = _law(5, "(a) VJP of call_and_reap"), _law(5, "(b) reap of backward")
     values = guard(law_a, lambda: reaped(f, tag, args))
@@ -236,7 +249,8 @@ def check_vjp(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
             compare(law_b, k, got_b[k], want_k, rtol, atol)
 
     # (a)
-    plant_keys = list(got_b) if plant_keys is None else [normalize(k) for k in plant_keys]
+    plant_keys = (_subset(got_b, subset) if plant_keys is None
+                  else [normalize(k) for k in plant_keys])
     ct_sites = {k: random_like(values[k], 50 + i) for i, k in enumerate(plant_keys)}
     got = guard(law_a, lambda: _vjp_of_call_and_reap(f, args, tag, ct_out, ct_sites))
     want = guard(law_a, lambda: lh.plant(bwd, tag=tag)(ct_sites, ct_out))
@@ -244,12 +258,14 @@ def check_vjp(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
 
 
 def check_roundtrip(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
-                    atol: float = ATOL, keys: Iterable[Any] | None = None) -> None:
+                    atol: float = ATOL, keys: Iterable[Any] | None = None,
+                    subset: int | None = None) -> None:
     """Law 6: ``plant(f)(reap(f)(x), x) == f(x)``, and harvest keeps the rest.
 
     Plants the reaped values of ``keys`` (default: every key except
     cotangent keys, which plant additively, and clobber sites sown more than
-    once, whose plant replaces every sow). Also checks that
+    once, whose plant replaces every sow); with ``subset`` (a seed) a random
+    non-empty subset of those, the others passing through. Also checks that
     ``harvest(f)(half, x)`` returns ``f(x)`` and reaps every other key with
     its value.
     """
@@ -258,7 +274,7 @@ def check_roundtrip(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     if keys is None:
         keys = default_keys(f, args, tag, values,
                             lambda i: not (i.mode == "clobber" and i.count > 1))
-        keys = [k for k in keys if "vjp" not in split_labels(k)[0]]
+        keys = _subset([k for k in keys if "vjp" not in split_labels(k)[0]], subset)
     keys = [normalize(k) for k in keys]
     want = guard(law, lambda: f(*args))
     got = guard(law, lambda: lh.plant(f, tag=tag)({k: values[k] for k in keys}, *args))
@@ -535,12 +551,18 @@ def _what_applies(f: Callable, args: Sequence[Any],
     if not (float_leaves(args) and float_leaves(out_shape)):
         why = "needs floating inputs and outputs"
         return labelled, why, why
+    forward: str | None = None
+    try:  # JAX cannot run forward mode through a custom_vjp function (an
+        # error only when run: not seen by eval_shape)
+        jax.linearize(f, *args)[1](*random_like(args, 0))
+    except TypeError as e:
+        forward = f"f is not forward-differentiable ({type(e).__name__})"
     try:
         ct = random_like(out_shape, 0)
         jax.eval_shape(lambda *a: jax.vjp(f, *a)[1](ct), *args)
     except Exception as e:  # noqa: BLE001
-        return labelled, None, f"f is not reverse-differentiable ({type(e).__name__})"
-    return labelled, None, None
+        return labelled, forward, f"f is not reverse-differentiable ({type(e).__name__})"
+    return labelled, forward, None
 
 
 class _Runner:

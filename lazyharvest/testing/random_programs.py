@@ -17,7 +17,8 @@ import numpy as np
 from lazyharvest.keys import Key
 from lazyharvest.testing._oracle import Interpreter
 from lazyharvest.testing.statements import (
-    B, Bin, Cond, Jit, Lin, N, Op, Output, Red, Remat, Scan, Scope, Sow, While)
+    LABEL_NAMES, B, Bin, Cond, Custom, Jit, Lin, N, Op, Output, Red, Remat, Repeat, Scan,
+    Scope, Sow, While)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,8 @@ class Program:
         """The constructs this program uses (a subset of ``CONSTRUCTS``)."""
         found: set = set()
         _constructs(self.body, found, scope_depth=0, in_scan=False)
+        if _has_dead_site(self.body, self.output, 3 if self.tree_input else 1):
+            found.add("dead_site")
         env = [False] * (3 if self.tree_input else 1)
         _variance(self.body, env, in_loop=False, in_remat=False, found=found)
         if self.tree_input:
@@ -130,6 +133,11 @@ class Program:
     def reverse_differentiable(self) -> bool:
         return "while" not in self.constructs
 
+    @property
+    def forward_differentiable(self) -> bool:
+        """JAX has no forward mode through a ``custom_vjp`` function."""
+        return not {"custom_vjp", "custom_vjp_closure"} & self.constructs
+
     def __repr__(self) -> str:
         args = "x, p" if self.tree_input else "x"
         lines = [f"def random_program({args}):  # tag={self.tag!r}, N={N}"]
@@ -147,52 +155,122 @@ def _insert(shape: tuple, ax: int) -> tuple:
     return shape[:ax] + (B,) + shape[ax:]
 
 
-def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool) -> None:
+_ARITHMETIC = {Op: "elementwise", Bin: "binary", Lin: "linear", Red: "reduction"}
+
+
+def _sow_constructs(st: Sow, found: set, in_scan: bool) -> None:
+    found.add("site")
+    if st.const is not None:
+        found.add("constant")
+    if len(st.srcs) == 2:
+        found.add("pytree_site")
+    if st.stop_gradient:
+        found.add("stop_gradient_site")
+    if in_scan:
+        found.add("scan_append" if st.mode == "append" else "scan_clobber")
+
+
+def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool,
+                in_remat: bool = False) -> None:
     for st in body:
-        if isinstance(st, Op):
-            found.add("elementwise")
-        elif isinstance(st, Bin):
-            found.add("binary")
-        elif isinstance(st, Lin):
-            found.add("linear")
-        elif isinstance(st, Red):
-            found.add("reduction")
+        if in_remat and getattr(st, "mode", "") == "append":
+            found.add("checkpoint_append")
+        if set(getattr(st, "names", (getattr(st, "name", ""),))) & set(LABEL_NAMES):
+            found.add("label_names")
+        if isinstance(st, (Op, Bin, Lin, Red)):
+            found.add(_ARITHMETIC[type(st)])
         elif isinstance(st, Sow):
-            found.add("site")
-            if st.const is not None:
-                found.add("constant")
-            if len(st.srcs) == 2:
-                found.add("pytree_site")
-            if in_scan:
-                found.add("scan_append" if st.mode == "append" else "scan_clobber")
+            _sow_constructs(st, found, in_scan)
         elif isinstance(st, Scope):
             found.add("scope")
             if scope_depth >= 1:
                 found.add("nested_scope")
-            _constructs(st.body, found, scope_depth + 1, in_scan)
+            _constructs(st.body, found, scope_depth + 1, in_scan, in_remat)
         elif isinstance(st, Jit):
             found.add("jit")
-            _constructs(st.body, found, scope_depth, in_scan)
+            if any(isinstance(s, Sow) and s.const is not None for s in st.body):
+                found.add("constant_in_jit")
+            _constructs(st.body, found, scope_depth, in_scan, in_remat)
         elif isinstance(st, Remat):
             found.add("checkpoint")
-            _constructs(st.body, found, scope_depth, in_scan)
+            _constructs(st.body, found, scope_depth, in_scan, True)
+        elif isinstance(st, Repeat):
+            found.add("jit_layer" if st.jit else "python_loop")
+            _constructs(st.body, found, scope_depth, in_scan, in_remat)
         elif isinstance(st, Scan):
             found.add("scan")
             if st.reverse:
                 found.add("reverse_scan")
             if in_scan:
                 found.add("nested_scan")
-            _constructs(st.body, found, scope_depth, True)
+            _constructs(st.body, found, scope_depth, True, in_remat)
         elif isinstance(st, Cond):
             found.update({st.kind, "site"})
+            if st.sows:
+                found.add("cond_different_sites")
+            if st.vmap:
+                found.add("vmap_cond")
             if in_scan:
                 found.add("scan_append" if st.mode == "append" else "scan_clobber")
         elif isinstance(st, While):
-            found.update({"while", "site"})
-            if st.trips == 0:
-                found.add("while_never_runs")
+            _loop_constructs(st, found, in_scan)
+        elif isinstance(st, Custom):
+            found.update({"site", st.construct})
             if in_scan:
-                found.add("scan_clobber")
+                found.add("scan_append" if st.mode == "append" else "scan_clobber")
+
+
+def _loop_constructs(st: While, found: set, in_scan: bool) -> None:
+    found.add("site")
+    found.update({"while"} if st.has_while else set())
+    found.update({"scan"} if "scan" in (st.kind, st.inner) else set())
+    if st.kind == "while" and st.trips == 0:
+        found.add("while_never_runs")
+    never = st.trips == 0 or (st.inner != "" and st.inner_trips == 0)
+    if st.kind == "scan" and never:
+        found.add("zero_trip_scan")
+    if st.pre and never:
+        found.add("zero_trip_keeps_earlier")
+    if st.kind == "while" and st.inner and not never:
+        found.add("nested_while" if st.inner == "while" else "scan_in_while")
+    if in_scan:
+        found.add("scan_clobber")
+
+
+def _n_created(st: Any) -> int:
+    """How many variables statement ``st`` creates."""
+    if isinstance(st, Sow):
+        return max(1, len(st.srcs))
+    if isinstance(st, (Scope, Jit, Remat)):
+        return sum(_n_created(s) for s in st.body)
+    return 2 if isinstance(st, Scan) else 1
+
+
+def _refs(body: tuple, out: set) -> None:
+    """Every variable index a statement of ``body`` (at any depth) reads."""
+    for st in body:
+        for field in ("src", "a", "b", "carry", "xs", "pred", "operand", "closure"):
+            if isinstance(getattr(st, field, None), int):
+                out.add(getattr(st, field))
+        if isinstance(st, Sow):
+            out.update(st.srcs)
+        if hasattr(st, "body"):
+            _refs(st.body, out)
+
+
+def _has_dead_site(body: tuple, output: Output, n_args: int) -> bool:
+    """Whether a top-level ``Sow`` creates variables nothing reads (errs
+    towards "not dead": an index read in a nested block may be another
+    variable)."""
+    used = set(output.srcs)
+    _refs(body, used)
+    i = n_args
+    for st in body:
+        n = _n_created(st)
+        if isinstance(st, Sow) and not used & set(range(i, i + n)):
+            return True
+        i += n
+    return False
 
 
 def _variance(body: tuple, variant: list, in_loop: bool, in_remat: bool, found: set) -> list:
@@ -217,6 +295,9 @@ def _variance(body: tuple, variant: list, in_loop: bool, in_remat: bool, found: 
             new = _variance(st.body, env, in_loop, in_remat, found)
         elif isinstance(st, Remat):
             new = _variance(st.body, env, in_loop, True, found)
+        elif isinstance(st, Repeat):
+            _variance(st.body, env + [env[st.src]], in_loop, in_remat, found)
+            new = [env[st.src]]
         elif isinstance(st, Scan):
             inner = [False] * len(env) + [True, True]
             _variance(st.body, inner, True, in_remat, found)
@@ -229,7 +310,9 @@ def _variance(body: tuple, variant: list, in_loop: bool, in_remat: bool, found: 
             if in_loop and st.mode == "append" and not v:
                 found.add("invariant_append_site")
             new = [v]
-        elif isinstance(st, While):
+        elif isinstance(st, (While, Custom)):
+            if isinstance(st, Custom) and in_loop and st.mode == "append" and not env[st.src]:
+                found.add("invariant_append_site")
             new = [env[st.src]]
         else:
             raise TypeError(st)
@@ -247,13 +330,14 @@ def _once(body: tuple, scopes: tuple, out: list, looped: bool) -> None:
             _once(st.body, scopes + (st.scope,), out, looped)
         elif isinstance(st, (Jit, Remat)):
             _once(st.body, scopes, out, looped)
-        elif isinstance(st, While) and not looped and st.trips == 1:
+        elif (isinstance(st, While) and not looped and st.trips == 1 and not st.pre
+              and st.inner_trips == (1 if st.inner else 0)):
             out.append((*scopes, st.name))
 
 
 def _clobber_loops(body: tuple, scopes: tuple, out: list, looped: bool) -> None:
     for st in body:
-        if isinstance(st, Sow) and looped and st.mode == "clobber":
+        if isinstance(st, (Sow, Custom)) and looped and st.mode == "clobber":
             out.append((*scopes, st.name))
         elif isinstance(st, Cond) and looped and st.mode == "clobber":
             out.extend((*scopes, n) for n in st.names)
@@ -261,7 +345,7 @@ def _clobber_loops(body: tuple, scopes: tuple, out: list, looped: bool) -> None:
             _clobber_loops(st.body, scopes + (st.scope,), out, looped)
         elif isinstance(st, (Jit, Remat)):
             _clobber_loops(st.body, scopes, out, looped)
-        elif isinstance(st, Scan):
+        elif isinstance(st, (Scan, Repeat)):
             _clobber_loops(st.body, scopes, out, True)
         elif isinstance(st, While):
             out.append((*scopes, st.name))
@@ -284,20 +368,7 @@ def _render(body: tuple, names: list, counter: list, lines: list, ind: str) -> N
         elif isinstance(st, Red):
             new(f"{st.fn}({names[st.src]})")
         elif isinstance(st, Sow):
-            if st.const is not None:
-                val = f"const{st.const}"
-            elif len(st.srcs) == 1:
-                val = names[st.srcs[0]]
-            else:
-                val = f'{{"a": {names[st.srcs[0]]}, "b": {names[st.srcs[1]]}}}'
-            if len(st.srcs) == 2 and st.const is None:
-                a, b = f"v{counter[0]}", f"v{counter[0] + 1}"
-                counter[0] += 2
-                names += [a, b]
-                lines.append(f'{ind}{a}, {b} = sow({val}, name={st.name!r}, '
-                             f'mode={st.mode!r}).values()')
-            else:
-                new(f"sow({val}, name={st.name!r}, mode={st.mode!r})")
+            _render_sow(st, names, counter, lines, ind)
         elif isinstance(st, (Scope, Jit, Remat)):
             head = {Scope: lambda: f"nest(scope={getattr(st, 'scope', '')!r})",
                     Jit: lambda: "jax.jit", Remat: lambda: "jax.checkpoint"}[type(st)]()
@@ -313,11 +384,67 @@ def _render(body: tuple, names: list, counter: list, lines: list, ind: str) -> N
             lines.append(f"{ind}    t = {total}; c = 0.5 * c + tanh(t); y = sum(t)")
             new("final carry")
             new("stacked y")
+        elif isinstance(st, Repeat):
+            lines.append(f"{ind}h = {names[st.src]}")
+            head = "layer = jax.jit(layer); " if st.jit else ""
+            lines.append(f"{ind}{head}for _ in range({st.times}):  # layer(h)")
+            _render(st.body, names + ["h"], counter, lines, ind + "    ")
+            t = "fit(every layer variable), summed" if st.dense else "fit(<last>)"
+            lines.append(f"{ind}    h = 0.5 * h + tanh({t})")
+            new("h")
         elif isinstance(st, Cond):
-            sites = ", ".join(f"after op {j}: sow {n!r} ({st.mode})"
-                              for j, n in zip(st.sites, st.names))
-            new(f"{st.kind}(pred=sum({names[st.pred]}), operand={names[st.operand]}, "
-                f"branches={list(st.branches)}; {sites})")
+            new(_render_cond(st, names))
         elif isinstance(st, While):
-            new(f"while_loop({st.trips} trips: v = sow({'('.join(st.ops)}(v{')' * len(st.ops)}), "
-                f"{st.name!r}, clobber), v={names[st.src]})")
+            new(_render_loop(st, names))
+        elif isinstance(st, Custom):
+            w = f" * w(stop_gradient({names[st.closure]}))" if st.kind == "vjp_closure" else ""
+            new(f"custom_{st.kind.split('_')[0]}(u -> tanh(sow(sin(u){w}, name={st.name!r}, "
+                f"mode={st.mode!r})), exact rule)({names[st.src]})")
+
+
+def _render_sow(st: Sow, names: list, counter: list, lines: list, ind: str) -> None:
+    if st.const is not None:
+        val = f"const{st.const}"
+    elif len(st.srcs) == 1:
+        val = names[st.srcs[0]]
+    else:
+        val = f'{{"a": {names[st.srcs[0]]}, "b": {names[st.srcs[1]]}}}'
+    if len(st.srcs) == 2 and st.const is None:
+        a, b = f"v{counter[0]}", f"v{counter[0] + 1}"
+        counter[0] += 2
+        names += [a, b]
+        lines.append(f'{ind}{a}, {b} = sow({val}, name={st.name!r}, '
+                     f'mode={st.mode!r}).values()')
+    else:
+        if st.stop_gradient:
+            val = f"stop_gradient({val})"
+        _new_var(names, counter, lines, ind, f"sow({val}, name={st.name!r}, mode={st.mode!r})")
+
+
+def _new_var(names: list, counter: list, lines: list, ind: str, expr: str) -> None:
+    v = f"v{counter[0]}"
+    counter[0] += 1
+    names.append(v)
+    lines.append(f"{ind}{v} = {expr}")
+
+
+def _render_cond(st: Cond, names: list) -> str:
+    sites = ", ".join(f"after op {j}: sow {n!r} ({st.mode})" for j, n in zip(st.sites, st.names))
+    text = (f"{st.kind}(pred=sum({names[st.pred]}), operand={names[st.operand]}, "
+            f"branches={list(st.branches)}; {sites}")
+    if st.sows:
+        text += f"; branch b sows only names[i] for i in {list(st.sows)}[b]"
+    if st.pre:
+        text += f"; operand sown first as each of {list(st.names)} (clobber)"
+    if st.vmap:
+        text = f"jax.vmap over [(pred, operand), (-pred, -operand)] of {text}; out = o0 + 0.5 * o1"
+    return text + ")"
+
+
+def _render_loop(st: While, names: list) -> str:
+    chain = f"v = sow({'('.join(st.ops)}(v{')' * len(st.ops)}), {st.name!r}, clobber)"
+    if st.inner:
+        chain = f"{st.inner}({st.inner_trips} trips: {chain})"
+    loop = "while_loop" if st.kind == "while" else "scan"
+    pre = f"sow({names[st.src]}, {st.name!r}, clobber)" if st.pre else names[st.src]
+    return f"{loop}({st.trips} trips: {chain}, v={pre})"

@@ -41,7 +41,24 @@ CONSTRUCTS = frozenset({
     # derived from the program's data flow:
     "invariant_append_site",  # an append site whose value its scan does not change
     "cond_in_checkpoint",  # lax.cond / switch inside jax.checkpoint
+    "dead_site",  # a top-level site no later statement nor the output reads
+    "checkpoint_append",  # an append site inside jax.checkpoint (in a loop)
+    # repeated sows outside scans:
+    "python_loop", "jit_layer",
+    "stop_gradient_site",  # a site on a value after lax.stop_gradient
+    "cond_different_sites",  # branches sow different clobber names
+    "vmap_cond",  # plain jax.vmap of a cond / switch with a batched predicate
+    "zero_trip_scan",  # a scan of length 0 (sowing a clobber name)
+    "zero_trip_keeps_earlier",  # a loop that never runs, its name sown before
+    "nested_while", "scan_in_while",  # a clobber site in the inner loop's body
+    # a site in the primal function of a custom rule (closing over an array):
+    "custom_jvp", "custom_vjp", "custom_vjp_closure",
+    "label_names",  # sites named like the labels of keys ("jvp", "vjp", ...)
+    "constant_in_jit",  # a constant site directly inside jax.jit
 })
+
+#: Site names spelled like labels (docs/semantics.md, section 2).
+LABEL_NAMES = ("grad", "jvp", "vjp", "vmap", "jit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +110,7 @@ class Sow:
     mode: str
     const: tuple | None = None
     seed: int = 0
+    stop_gradient: bool = False  # sow ``lax.stop_gradient(v[src])``
 
     def constant(self) -> np.ndarray:
         """The constant sown when ``const`` is set: uniform in [-1, 1), from ``seed``."""
@@ -120,6 +138,21 @@ class Jit(_Wrapped):
 
 class Remat(_Wrapped):
     """``body`` inside ``jax.checkpoint``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Repeat:
+    """A Python loop over ``times`` layers: ``h = v[src]``, then per layer
+    ``body`` runs on the variables and ``h``, and ``h = 0.5 * h + tanh(t)``
+    with ``t`` its last variable (fitted to ``h``'s shape). With ``jit`` the
+    layer is one ``jax.jit`` function called ``times`` times. Its sites
+    (``append``/``clobber``) are sown once per layer. Creates the final ``h``."""
+
+    src: int
+    body: tuple
+    times: int
+    jit: bool = False
+    dense: bool = False  # ``t`` sums every layer variable, not only the last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +184,15 @@ class Cond:
     sites: tuple[int, ...]
     names: tuple[str, ...]
     mode: str
+    # per branch, the positions in ``names`` it sows (empty: every branch sows
+    # every name); only for ``clobber`` sites
+    sows: tuple[tuple[int, ...], ...] = ()
+    pre: bool = False  # sow the operand under every name before the cond
+    vmap: bool = False  # plain jax.vmap over a batch of B operands (see below)
+
+    def sown_by(self, branch: int) -> tuple[int, ...]:
+        """The positions in ``names`` that ``branch`` sows."""
+        return self.sows[branch] if self.sows else tuple(range(len(self.names)))
 
     @property
     def kind(self) -> str:
@@ -159,12 +201,46 @@ class Cond:
 
 @dataclasses.dataclass(frozen=True)
 class While:
-    """``lax.while_loop`` running ``trips`` times: ``v = sow(chain(v))`` (clobber)."""
+    """A loop running ``trips`` times: ``v = sow(chain(v))`` (clobber).
+
+    ``kind``: the loop is a ``lax.while_loop`` or a ``lax.scan`` of length
+    ``trips``. With ``pre``, ``v[src]`` is sown under the same name before the
+    loop. With ``inner`` (``"while"`` or ``"scan"``), each trip runs an inner
+    loop of ``inner_trips`` trips whose body is the chain and its site."""
 
     src: int
     ops: tuple[str, ...]
     trips: int
     name: str
+    kind: str = "while"
+    pre: bool = False
+    inner: str = ""
+    inner_trips: int = 0
+
+    @property
+    def has_while(self) -> bool:
+        """Whether it runs a ``lax.while_loop`` (no reverse mode)."""
+        return "while" in (self.kind, self.inner)
+
+
+@dataclasses.dataclass(frozen=True)
+class Custom:
+    """``g(v[src])`` with ``g(u) = tanh(sow(sin(u) * w))`` given a custom
+    derivative rule (the exact derivative, computed without the site):
+    ``kind`` ``"jvp"`` (``jax.custom_jvp``, ``w = 1``), ``"vjp"``
+    (``jax.custom_vjp``, ``w = 1``) or ``"vjp_closure"`` (``jax.custom_vjp``
+    closing over ``w = 1 + tanh(sum(stop_gradient(v[closure]))) / 2``)."""
+
+    src: int
+    name: str
+    mode: str
+    kind: str
+    closure: int = 0
+
+    @property
+    def construct(self) -> str:
+        return {"jvp": "custom_jvp", "vjp": "custom_vjp", "vjp_closure": "custom_vjp_closure"}[
+            self.kind]
 
 
 @dataclasses.dataclass(frozen=True)

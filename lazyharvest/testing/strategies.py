@@ -13,8 +13,12 @@ from typing import Any
 from lazyharvest.testing.random_programs import Program
 from lazyharvest.testing.stacks import Stack, Transform
 from lazyharvest.testing.statements import (
-    BINARY, CONSTRUCTS, REDUCE, UNARY, Bin, Cond, Jit, Lin, N, Op, Output, Red, Remat,
-    Scan, Scope, Sow, While)
+    BINARY, CONSTRUCTS, LABEL_NAMES, REDUCE, UNARY, Bin, Cond, Custom, Jit, Lin, N, Op, Output, Red,
+    Remat, Repeat, Scan, Scope, Sow, While)
+
+#: The statements a Python loop's layer may hold (see ``_Gen.repeat``).
+LAYER_KINDS = ("op", "op", "bin", "lin", "red", "sow", "sow", "pytree_site", "constant",
+               "checkpoint")
 
 
 def _strategies() -> Any:
@@ -39,6 +43,7 @@ class _Gen:
         self.max_statements = max_statements
         self.max_depth = max_depth
         self.names: dict[tuple, int] = {}
+        self.labels: dict[tuple, set] = {}
         self.n_scopes = 0
         self.n_sites = 0
 
@@ -46,9 +51,17 @@ class _Gen:
         return _strategies()
 
     def name(self, scopes: tuple) -> str:
+        """A new site name in ``scopes``: ``s0, s1, ...``, or now and then
+        (``label_names``) one spelled like a label."""
         n = self.names.get(scopes, 0)
         self.names[scopes] = n + 1
         self.n_sites += 1
+        if "label_names" in self.allowed and self.draw(self.st().integers(0, 5)) == 5:
+            used = self.labels.setdefault(scopes, set())
+            free = [w for w in LABEL_NAMES if w not in used]
+            if free:
+                used.add(free[0])
+                return free[0]
         return f"s{n}"
 
     def pick(self, shapes: list, want: tuple | None = None) -> int:
@@ -56,18 +69,29 @@ class _Gen:
         # favour recent variables, so values flow through the program
         return self.draw(self.st().sampled_from(ok[::-1]))
 
+    def kinds(self, depth: int, only: tuple | None) -> list[str]:
+        """The statement kinds a block at ``depth`` draws from (within ``only``)."""
+        kinds = ["op", "op", "bin", "lin", "red", "sow", "sow"]
+        kinds += [k for k in ("pytree_site", "constant") if k in self.allowed]
+        if {"custom_jvp", "custom_vjp", "custom_vjp_closure"} & self.allowed:
+            kinds.append("custom")
+        if depth < self.max_depth:
+            kinds += [k for k in ("scope", "jit", "checkpoint", "scan", "cond", "switch",
+                                  "while") if k in self.allowed]
+            if "scan" in self.allowed and {"zero_trip_scan", "zero_trip_keeps_earlier"} & (
+                    self.allowed):
+                kinds.append("clobber_scan")
+            kinds += [k for k in ("python_loop", "jit_layer") if k in self.allowed]
+        return [k for k in kinds if only is None or k in only]
+
     def block(self, shapes: list, scopes: tuple, depth: int, loop: bool,
-              n_min: int, n_max: int) -> tuple[tuple, list]:
+              n_min: int, n_max: int, only: tuple | None = None) -> tuple[tuple, list]:
         """Statements and the shapes of the variables they create."""
         st = self.st()
         shapes = list(shapes)
         start = len(shapes)
         body = []
-        kinds = ["op", "op", "bin", "lin", "red", "sow", "sow"]
-        kinds += [k for k in ("pytree_site", "constant") if k in self.allowed]
-        if depth < self.max_depth:
-            kinds += [k for k in ("scope", "jit", "checkpoint", "scan", "cond", "switch",
-                                  "while") if k in self.allowed]
+        kinds = self.kinds(depth, only)
         n = self.draw(st.integers(n_min, n_max))
         for _ in range(n):
             kind = self.draw(st.sampled_from(kinds))
@@ -95,9 +119,22 @@ class _Gen:
             return self.scan(shapes, scopes, depth)
         if kind in ("cond", "switch"):
             return self.branches(kind, shapes, scopes, loop)
-        if kind == "while":
-            return self.while_loop(shapes, scopes)
+        if kind in ("while", "clobber_scan"):
+            return self.while_loop(shapes, scopes, kind)
+        if kind in ("python_loop", "jit_layer"):
+            return self.repeat(kind, shapes, scopes, depth)
+        if kind == "custom":
+            return self.custom(shapes, scopes, loop)
         raise ValueError(kind)
+
+    def custom(self, shapes: list, scopes: tuple, loop: bool) -> tuple[Any, list]:
+        """A function with a custom rule whose primal body sows."""
+        kinds = [k for k, c in (("jvp", "custom_jvp"), ("vjp", "custom_vjp"),
+                                ("vjp_closure", "custom_vjp_closure")) if c in self.allowed]
+        src = self.pick(shapes)
+        kind = self.draw(self.st().sampled_from(kinds))
+        return Custom(src, self.name(scopes), self.mode(loop), kind, self.pick(shapes)), [
+            shapes[src]]
 
     def arithmetic(self, kind: str, shapes: list) -> tuple[Any, list]:
         st, draw, vec = self.st(), self.draw, (N,)
@@ -116,7 +153,8 @@ class _Gen:
         st, draw = self.st(), self.draw
         if kind == "sow":
             i = self.pick(shapes)
-            return Sow(self.name(scopes), (i,), self.mode(loop)), [shapes[i]]
+            stop = "stop_gradient_site" in self.allowed and draw(st.integers(0, 4)) == 4
+            return Sow(self.name(scopes), (i,), self.mode(loop), stop_gradient=stop), [shapes[i]]
         if kind == "pytree_site":
             a, b = self.pick(shapes), self.pick(shapes)
             return Sow(self.name(scopes), (a, b), self.mode(loop)), [shapes[a], shapes[b]]
@@ -155,16 +193,59 @@ class _Gen:
                                           max_size=2))))
         names = tuple(self.name(scopes) for _ in where)
         operand = self.pick(shapes)
-        return (Cond(self.pick(shapes), operand, branches, where, names, self.mode(loop)),
+        pred, mode = self.pick(shapes), self.mode(loop)
+        vmap = "vmap_cond" in self.allowed and draw(st.integers(0, 3)) == 3
+        sows: tuple = ()
+        pre = False
+        if "cond_different_sites" in self.allowed and draw(st.booleans()):
+            sows, mode = self.sown_subsets(n_br, len(names)), "clobber"
+            # in a loop the name's earlier value would be the previous
+            # iteration's: sow it before the cond, so every iteration sows it
+            pre = not vmap and (loop or draw(st.booleans()))
+        return (Cond(pred, operand, branches, where, names, mode, sows, pre, vmap),
                 [shapes[operand]])
 
-    def while_loop(self, shapes: list, scopes: tuple) -> tuple[Any, list]:
+    def sown_subsets(self, n_br: int, n_names: int) -> tuple:
+        """Per branch, the positions of the names it sows: each name is sown
+        by some branch, and some branch does not sow every name."""
+        st = self.st()
+        subsets = [set(self.draw(st.sets(st.integers(0, n_names - 1), max_size=n_names)))
+                   for _ in range(n_br)]
+        subsets[0] |= set(range(n_names)) - set().union(*subsets)
+        if all(len(s) == n_names for s in subsets):
+            subsets[-1] = set(range(n_names - 1))
+        return tuple(tuple(sorted(s)) for s in subsets)
+
+    def while_loop(self, shapes: list, scopes: tuple, kind: str) -> tuple[Any, list]:
+        """A clobber loop: a ``while_loop`` (maybe with an inner loop) or a
+        ``scan`` (``clobber_scan``, maybe of length 0 or with an inner scan)."""
         st, draw = self.st(), self.draw
         src = self.pick(shapes)
         ops = tuple(draw(st.lists(st.sampled_from(["sin", "tanh", "scale", "shift"]),
                                   min_size=1, max_size=2)))
         trips = draw(st.sampled_from([0, 1, 2]))
-        return While(src, ops, trips, self.name(scopes)), [shapes[src]]
+        pre = "zero_trip_keeps_earlier" in self.allowed and draw(st.booleans())
+        inner_options = [""]
+        if kind == "while":
+            inner_options += [k for k, c in (("while", "nested_while"), ("scan", "scan_in_while"))
+                              if c in self.allowed]
+        elif "nested_scan" in self.allowed:
+            inner_options.append("scan")
+        inner = draw(st.sampled_from(inner_options))
+        inner_trips = draw(st.sampled_from([1, 2, 0])) if inner else 0
+        loop = "while" if kind == "while" else "scan"
+        return While(src, ops, trips, self.name(scopes), loop, pre, inner, inner_trips), [
+            shapes[src]]
+
+    def repeat(self, kind: str, shapes: list, scopes: tuple, depth: int) -> tuple[Any, list]:
+        """A Python loop over 2 or 3 layers (``jit_layer``: a jitted layer)."""
+        src = self.pick(shapes)
+        inner = shapes + [shapes[src]]
+        body, new = self.block(inner, scopes, depth + 1, True, 1, 3, LAYER_KINDS)
+        if not any(isinstance(s, (Sow, Remat)) for s in body):  # a layer sows
+            body += (Sow(self.name(scopes), (len(inner) + len(new) - 1,), self.mode(True)),)
+        times = self.draw(self.st().integers(2, 3))
+        return Repeat(src, body, times, kind == "jit_layer", not self.dead_code), [shapes[src]]
 
 
 def programs(*, exclude: Iterable[str] = (), max_statements: int = 5, max_depth: int = 2,
@@ -224,7 +305,8 @@ def transform_stacks(program: Program, *, max_depth: int = 3,
 
     Up to ``max_depth`` recorded transforms, innermost first; ``grad`` only
     where the function is scalar, ``grad``/``jacrev`` only where it is
-    reverse-differentiable (no ``while_loop``); ``vmap`` with random ``in_axes`` (0, -1 or
+    reverse-differentiable (no ``while_loop``), ``jacfwd`` only where it is
+    forward-differentiable (no ``custom_vjp``); ``vmap`` with random ``in_axes`` (0, -1 or
     per argument, one of them ``None``) and ``out_axes`` (0, -1, or for a
     pytree output a matching pytree).
     """
@@ -239,7 +321,8 @@ def transform_stacks(program: Program, *, max_depth: int = 3,
         out: list = []
         for _ in range(depth):
             options = [k for k in kinds if (k != "grad" or scalar)
-                       and (k not in ("grad", "jacrev") or program.reverse_differentiable)]
+                       and (k not in ("grad", "jacrev") or program.reverse_differentiable)
+                       and (k != "jacfwd" or program.forward_differentiable)]
             kind = draw(st.sampled_from(options))
             if kind == "vmap":
                 axes_options: list = [0, -1]
