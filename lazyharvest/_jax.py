@@ -664,7 +664,7 @@ def wrap_dce_rule(prim: Primitive, keep: Callable[[JaxprEqn], bool]) -> None:
             shown = new_jaxpr_eqn(eqn.invars, eqn.outvars, eqn.primitive, eqn.params,
                                   eqn.effects | {_keep_effect}, eqn.source_info, eqn.ctx)
         used_inputs, new_eqn = original(used_outputs, shown)
-        if new_eqn is None or (eqn.invars and not any(used_inputs)):
+        if new_eqn is None or (prim is jit_p and eqn.invars and not any(used_inputs)):
             # Kept whole: a jit that drops a body using no input, or one left
             # with no input, whose sites would then count as constants of the
             # backward pass (evaluated forward, never transposed).

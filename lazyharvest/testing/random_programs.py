@@ -168,6 +168,8 @@ def _sow_constructs(st: Sow, found: set, in_scan: bool) -> None:
         found.add("stop_gradient_site")
     if in_scan:
         found.add("scan_append" if st.mode == "append" else "scan_clobber")
+        if st.const is not None or st.stop_gradient:
+            found.add("constant_in_scan")
 
 
 def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool,

@@ -55,6 +55,7 @@ CONSTRUCTS = frozenset({
     "custom_jvp", "custom_vjp", "custom_vjp_closure",
     "label_names",  # sites named like the labels of keys ("jvp", "vjp", ...)
     "constant_in_jit",  # a constant site directly inside jax.jit
+    "constant_in_scan",  # a constant or stop_gradient site directly in a scan body
 })
 
 #: Site names spelled like labels (docs/semantics.md, section 2).
