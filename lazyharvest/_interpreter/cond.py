@@ -11,6 +11,7 @@ sites must be sown alike in every branch.
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from lazyharvest import _jax
 from lazyharvest._interpreter.plumbing import (
@@ -22,7 +23,7 @@ from lazyharvest._interpreter.plumbing import (
     split_list,
     trace_body,
 )
-from lazyharvest._interpreter.run import EVAL_RULES, Run, Site, bind
+from lazyharvest._interpreter.run import EVAL_RULES, Run, Site, bind, is_sown, runs_backward
 from lazyharvest._interpreter.sites import Harvest
 from lazyharvest.errors import HarvestError
 
@@ -83,17 +84,19 @@ def union_sites(h: Harvest, sites: list[list[Site]]) -> list[Site]:
 
 
 def _branch(b: Body, i: int, const_sizes: list[int], order: list[Site],
-            passed: list[Site], in_avals: list) -> _jax.ClosedJaxpr:
+            passed: list[Site], flagged: list[Site], in_avals: list) -> _jax.ClosedJaxpr:
     """Branch `i` taking every branch's consts, then the earlier values of
     `passed`; it outputs its sites in `order`, an earlier value where it does
-    not sow one."""
+    not sow one, then per site in `flagged` whether it sows it."""
     def fn(*args):
         *chunks, through, ops = split_list(
             args, [*const_sizes, sum(len(s.avals) for s in passed)])
         outs, leaves = b.split_outs(_jax.eval_jaxpr(b.jaxpr, (), *chunks[i], *ops))
         per = dict(zip([s.key for s in passed], per_site(passed, through)))
         per.update(zip([s.key for s in b.sites], per_site(b.sites, leaves)))
-        return [*outs, *[x for s in order for x in per[s.key]]]
+        own = {s.key for s in b.sites}
+        return [*outs, *[x for s in order for x in per[s.key]],
+                *[np.bool_(s.key in own) for s in flagged]]
     jaxpr, consts = _jax.trace_flat(fn, in_avals)
     assert not consts
     return _jax.ClosedJaxpr(jaxpr, ())
@@ -108,17 +111,24 @@ def _cond(run: Run, eqn: _jax.JaxprEqn, invals: list, *, branches, **_) -> list:
     passed = [s for s in order
               if any(all(t.key != s.key for t in b.sites) for b in bodies)]
     through = [x for s in passed for x in incoming(run, s)]
+    # A clobber site evaluated backward (a cotangent) that some branch does not
+    # sow: where the taken branch does not, the cotangent is an earlier
+    # occurrence's (one evaluated after this cond), so the record says where.
+    flagged = [s for s in passed if s.mode == "clobber" and runs_backward(s.key)
+               and not is_sown(s.key)]
     all_consts = [c for b in bodies for c in b.consts]
     sizes = [len(b.consts) for b in bodies]
     in_avals = [jax.typeof(c) for c in [*all_consts, *through]] + avals
-    new_branches = tuple(_branch(b, i, sizes, order, passed, in_avals)
+    new_branches = tuple(_branch(b, i, sizes, order, passed, flagged, in_avals)
                          for i, b in enumerate(bodies))
     outs = bind(eqn, [index, *all_consts, *through, *ops],
                 dict(eqn.params, branches=new_branches))
     n_out = bodies[0].n_out
     for _body, branch_run in traced:
         run.begin_passes(branch_run.primal_sown)
-    merge(run, order, outs[n_out:])
+    n_flags = len(flagged)
+    leaves, sown = outs[n_out:len(outs) - n_flags], outs[len(outs) - n_flags:]
+    merge(run, order, leaves, flags={s.key: f for s, f in zip(flagged, sown)})
     # Append sites are sown alike in every branch; a planted clobber site
     # counts as often as the branch that sows it most (`count_occurrences`).
     for _body, branch_run in traced:

@@ -287,13 +287,17 @@ def _placeholders(run: Run, clob: list[Site]) -> None:
 
 def _record_scan_sites(run: Run, clob: list[Site], app: list[Site], clob_out: list,
                        app_out: list, reverse: bool) -> None:
-    for s, leaves in zip(clob, per_site(clob, clob_out)):
+    per = dict(zip([s.key for s in clob], per_site(clob, clob_out)))
+    for s in clob:
+        leaves = per[s.key]
         if reverse and is_sown(s.key):
             if run.track_sown:  # sown here, or before the scan
                 before = incoming(run, s)[0]
                 run.record(s.key, s.mode, s.tree, [leaves[0] | before])
             continue
-        run.record(s.key, s.mode, s.tree, leaves)
+        # a cotangent the scan may not sow: an earlier occurrence's fills in
+        flag = per.get(sown_key(s.key)) if runs_backward(s.key) else None
+        run.record(s.key, s.mode, s.tree, leaves, None if flag is None else flag[0])
     for s, leaves in zip(app, per_site(app, app_out)):
         # (length, n per iteration, ...) -> (length * n, ...), by iteration index
         run.record(s.key, "append", s.tree, [merge_leading(x) for x in leaves])

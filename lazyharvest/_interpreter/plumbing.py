@@ -44,7 +44,7 @@ def per_site(sites: Sequence[Site], leaves: Sequence[Any]) -> list[list]:
 
 
 def merge(run: Run, sites: Sequence[Site], leaves: Sequence[Any],
-          replace: bool = False) -> None:
+          replace: bool = False, flags: dict | None = None) -> None:
     """Records the site leaves a body returned into `run`.
 
     With `replace`, a body that started from the sites' earlier values (a
@@ -56,7 +56,7 @@ def merge(run: Run, sites: Sequence[Site], leaves: Sequence[Any],
         old = run.records.get(s.key)
         if replace and old is not None and s.mode == "clobber":
             old.seeded = True
-        run.record(s.key, s.mode, s.tree, ls)
+        run.record(s.key, s.mode, s.tree, ls, (flags or {}).get(s.key))
 
 
 def merge_leading(x: Any) -> Any:

@@ -62,6 +62,10 @@ class Record:
     # the next sow replaces it, even where a clobber record keeps its first
     # contribution.
     seeded: bool = False
+    # A clobber record evaluated backward whose contribution so far holds only
+    # where this traced bool is true (a cond whose taken branch may not sow
+    # it): a later contribution fills in the rest. None: it holds everywhere.
+    flag: Any = None
 
     def leaves(self) -> list:
         if self.mode != "append" or len(self.chunks) == 1:
@@ -202,7 +206,8 @@ class Run:
 
     # -- recording --------------------------------------------------------
 
-    def record(self, key: RawKey, mode: str, tree: Any, leaves: list) -> None:
+    def record(self, key: RawKey, mode: str, tree: Any, leaves: list,
+               flag: Any = None) -> None:
         """Adds one contribution; for append, `leaves` carry a leading axis.
 
         Contributions come in evaluation order; the record keeps program
@@ -212,7 +217,7 @@ class Run:
         """
         old = self.records.get(key)
         if old is None:
-            self.records[key] = Record(mode, tree, [list(leaves)])
+            self.records[key] = Record(mode, tree, [list(leaves)], flag=flag)
             return
         where = self.harvest.where(key)
         if old.mode != mode:
@@ -229,7 +234,11 @@ class Run:
         if mode == "clobber":
             if not backward or old.seeded:
                 old.chunks = [list(leaves)]
-                old.seeded = False
+                old.seeded, old.flag = False, flag
+            elif old.flag is not None:  # fill in where the first one did not sow
+                old.chunks = [[jnp.where(old.flag, o, n)
+                               for o, n in zip(old.chunks[-1], leaves)]]
+                old.flag = None if flag is None else old.flag | flag
             return
         shapes = [(x.shape[1:], x.dtype) for x in old.chunks[0]]
         if shapes != [(x.shape[1:], x.dtype) for x in leaves]:

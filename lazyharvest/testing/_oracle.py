@@ -263,10 +263,10 @@ class Interpreter:
         index = (total > 0).astype(jnp.int32) + (total > 1).astype(jnp.int32)
         n_br = len(st.branches)
         earlier = [jnp.zeros_like(operand)] * len(st.names)
-        if st.pre:  # the value where the taken branch does not sow the name; its
-            # cotangent is zeros there (docs/semantics.md section 3): no perturbation
+        if st.pre:  # the pre-sow is the reaped occurrence where the branch does not sow
             for j, n in enumerate(st.names):
-                operand = self.site(n, operand, "clobber", ctx.only_if(False), {})
+                unsown = jnp.asarray([j not in st.sown_by(b) for b in range(n_br)])[index]
+                operand = self.site(n, operand, "clobber", ctx.only_if(unsown), {})
                 earlier[j] = operand
 
         def make(b: int) -> Callable:
