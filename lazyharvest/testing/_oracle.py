@@ -260,7 +260,10 @@ class Interpreter:
         """The cond's output and (oracle) each name's value after it: the taken
         branch's, or the earlier one where that branch does not sow the name."""
         total = jnp.sum(pred)
-        index = (total > 0).astype(jnp.int32) + (total > 1).astype(jnp.int32)
+        if st.kind == "cond":  # lax.cond(total > 0, branches[0], branches[1])
+            index = jnp.where(total > 0, 0, 1)
+        else:
+            index = (total > 0).astype(jnp.int32) + (total > 1).astype(jnp.int32)
         n_br = len(st.branches)
         earlier = [jnp.zeros_like(operand)] * len(st.names)
         if st.pre:  # the pre-sow is the reaped occurrence where the branch does not sow
