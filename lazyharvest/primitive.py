@@ -443,11 +443,15 @@ def applying_recorded() -> Iterator[None]:
         _APPLYING.depth -= 1
 
 
+def is_applying_recorded() -> bool:
+    return bool(getattr(_APPLYING, "depth", 0))
+
+
 def _refuse(branches: tuple, why: str) -> None:
     """Branches the stages cannot cut: JAX would run every branch and sow each
     branch's sites, whatever branch an element takes. Silently wrong values
     for a harvested site: an error instead (sites of other tags are inert)."""
-    if getattr(_APPLYING, "depth", 0):
+    if is_applying_recorded():
         return
     for b in branches:
         for p in _sows(b.jaxpr):

@@ -13,9 +13,7 @@ here next to the primitive, builds the leaves described in
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -37,7 +35,7 @@ from lazyharvest._interpreter import (
 )
 from lazyharvest.errors import HarvestError
 from lazyharvest.keys import Label
-from lazyharvest.primitive import active_tags, applying_recorded
+from lazyharvest.primitive import active_tags, applying_recorded, is_applying_recorded
 
 DIFFERENTIAL = ("grad", "value_and_grad", "jacfwd", "jacrev", "hessian")
 STRUCTURAL = ("jit", "vmap")
@@ -277,25 +275,12 @@ recorded_p = _jax.Primitive("recorded_transform")
 recorded_p.multiple_results = True
 
 
-_LOCAL = threading.local()
-
-
-@contextlib.contextmanager
-def _applying() -> Iterator[None]:
-    """Marks the library applying a recorded transformation itself (its JAX
-    rules may then transform nested recorded eqns)."""
-    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
-    try:
-        with applying_recorded():
-            yield
-    finally:
-        _LOCAL.depth -= 1
 
 
 def _evaluate(*flat, jaxpr, transform, out_avals):
     del out_avals
     inner = lambda *a: _jax.eval_jaxpr(jaxpr, (), *a)
-    with _applying():
+    with applying_recorded():
         return jax.tree_util.tree_leaves(transform.call(inner, flat))
 
 
@@ -306,7 +291,7 @@ def _refuse_outer_jax_transform(what: str, jaxpr: _jax.Jaxpr, transform: Transfo
     `lh.jit` is exempt: its label is structural (keys differing only in it
     are aliases), so the keys JAX's labels give are the recorded ones.
     """
-    if getattr(_LOCAL, "depth", 0) or transform.name == "jit":
+    if is_applying_recorded() or transform.name == "jit":
         return
     tags = [t for t in active_tags() if jaxpr_has_sites(jaxpr, t)]
     if tags:
@@ -362,7 +347,7 @@ def record(name: str, f: Callable, kwargs: dict, args: tuple, fkwargs: dict,
     transform = Transform(name, kwargs, in_tree, f_out_tree, len(consts))
     operands = [*consts, *flat, *jax.tree_util.tree_leaves(extra)]
     inner = lambda *a: _jax.eval_jaxpr(jaxpr, (), *a)
-    with _applying():
+    with applying_recorded():
         # the output types as JAX gives them, with the mesh axes they vary
         # over inside a shard_map body (eval_shape's shapes would drop them)
         traced, shape = jax.make_jaxpr(lambda *a: transform.call(inner, a),
