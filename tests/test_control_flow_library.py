@@ -492,13 +492,20 @@ def diffrax_case(adjoint_name):
     return adjoint, log, logged, sown, perturbed_at
 
 
-def test_diffrax_default_adjoint():
-    adjoint, log, logged, sown, perturbed_at = diffrax_case("RecursiveCheckpointAdjoint")
+def _forward_value_is_the_last_evaluation(adjoint, log, logged, sown):
+    """The reaped value is the vector field's last evaluation (debug log);
+    returns that evaluation's (t, y)."""
     diffrax_solve(0.5, adjoint, logged)
     jax.effects_barrier()
     t_last, y_last = log[-1]
     d = lh.reap(lambda a: diffrax_solve(a, adjoint, sown), tag="t")(0.5)
     close(d["y"], y_last)
+    return t_last, y_last
+
+
+def test_diffrax_default_adjoint():
+    adjoint, log, logged, sown, perturbed_at = diffrax_case("RecursiveCheckpointAdjoint")
+    _forward_value_is_the_last_evaluation(adjoint, log, logged, sown)
 
     # Reverse mode: the checkpointed loop's backward copy of the body sits in
     # one branch of a cond. The last evaluation in program order is the
@@ -517,11 +524,7 @@ def test_diffrax_default_adjoint():
 
 def test_diffrax_direct_adjoint():
     adjoint, log, logged, sown, perturbed_at = diffrax_case("DirectAdjoint")
-    diffrax_solve(0.5, adjoint, logged)
-    jax.effects_barrier()
-    t_last, y_last = log[-1]
-    d = lh.reap(lambda a: diffrax_solve(a, adjoint, sown), tag="t")(0.5)
-    close(d["y"], y_last)
+    t_last, y_last = _forward_value_is_the_last_evaluation(adjoint, log, logged, sown)
 
     grad = jax.grad(lambda a: diffrax_solve(a, adjoint, logged))(0.5)
     out, d = lh.call_and_reap(jax.grad(lambda a: diffrax_solve(a, adjoint, sown)),
