@@ -664,10 +664,13 @@ def wrap_dce_rule(prim: Primitive, keep: Callable[[JaxprEqn], bool]) -> None:
             shown = new_jaxpr_eqn(eqn.invars, eqn.outvars, eqn.primitive, eqn.params,
                                   eqn.effects | {_keep_effect}, eqn.source_info, eqn.ctx)
         used_inputs, new_eqn = original(used_outputs, shown)
-        if new_eqn is None or (prim is jit_p and eqn.invars and not any(used_inputs)):
-            # Kept whole: a jit that drops a body using no input, or one left
-            # with no input, whose sites would then count as constants of the
-            # backward pass (evaluated forward, never transposed).
+        if new_eqn is None or (prim is jit_p and not all(used_inputs)):
+            # Kept whole: a jit that drops a body using no input, or one that
+            # would lose an input: DCE cannot tell a linear input from a
+            # residual, and a jit left with residuals only counts as a
+            # constant of the backward pass (evaluated forward, never
+            # transposed: its sites get no cotangent, a custom_vjp's linear
+            # part inside cannot run).
             return [True] * len(eqn.invars), eqn
         return used_inputs, new_eqn
     rule._lazyharvest = True  # type: ignore[attr-defined]

@@ -450,3 +450,35 @@ def test_regression_constant_site_in_a_jit_whose_outputs_ignore_its_inputs():
     close(d["vjp", "c"], want)
     _, bwd = jax.vjp(f, X)
     close(reaped(bwd, 1.)["c"], want)
+
+
+def _cond_site_in_jit(custom):
+    """``jax.jit(lambda p, b: ...)(p, X)``: the differentiated input ``p`` is
+    dead; a constant site in a cond feeds the output (through a custom_vjp
+    function with ``custom``)."""
+    g = jax.custom_vjp(jnp.tanh)
+    g.defvjp(lambda u: (jnp.tanh(u), u), lambda u, ct: ((1 - jnp.tanh(u) ** 2) * ct,))
+    squash = g if custom else jnp.tanh
+
+    def body(b, e):
+        v = lax.cond(jnp.sum(b) > 0, lambda o: lh.sow(jnp.cos(o), tag="t", name="s"),
+                     lambda o: lh.sow(jnp.sin(o), tag="t", name="s"), b)
+        return jnp.sum(squash(v + e))
+    return lambda p: jax.jit(lambda p, b: body(b, 0.))(p, X), body
+
+
+@pytest.mark.parametrize("custom", [False, True], ids=["plain", "custom_vjp"])
+def test_regression_constant_site_in_a_jit_whose_differentiated_input_is_dead(custom):
+    # The jit of the linear function kept its residuals but lost its only
+    # linear input, so the backward pass evaluated it forward: a zero
+    # ("jvp", "s") key instead of ("vjp", "s") — and a custom_vjp function
+    # inside crashed ("can't apply forward-mode autodiff"), even outside a
+    # harvest.
+    f, body = _cond_site_in_jit(custom)
+    want = jax.grad(lambda e: body(X, e))(jnp.zeros(3))  # d out / d site
+    close(jax.grad(f)(X), jnp.zeros(3))
+    d = reaped(jax.grad(f), X)
+    assert ("jvp", "s") not in d
+    close(d["vjp", "s"], want)
+    _, bwd = jax.vjp(f, X)
+    close(reaped(bwd, 1.)["s"], want)
