@@ -440,7 +440,7 @@ _BIND_TAKES_AVALS = "avals" in __import__("inspect").signature(
 def register_bind_hook(prim: Primitive, make_rule: Callable[[Callable], Callable]) -> None:
     """Every bind of `prim` goes through `make_rule(default)(trace, args, avals,
     params)`; `default` is JAX's own `bind_with_trace`."""
-    default = _core.Primitive.bind_with_trace
+    default = type(prim).bind_with_trace  # a custom call's class has its own
     if _BIND_TAKES_AVALS:
         def base(trace, args, avals, params):
             return default(prim, trace, args, avals, params)
@@ -455,6 +455,37 @@ def register_bind_hook(prim: Primitive, make_rule: Callable[[Callable], Callable
     for path in (__file__, make_rule.__code__.co_filename):
         if path not in _source_info_util._exclude_paths:
             _source_info_util.register_exclusion(path)
+
+
+def replace_subfuns(params: dict, make: Callable[..., tuple | None]) -> dict:
+    """`params` of a custom call's bind with its functions (`fun, jvp` or `fun,
+    fwd, bwd`, JAX's wrapped functions) replaced by `make(*subfuns)`, unless it
+    returns None. jax 0.8 passes them outside `params`: left alone there."""
+    subfuns = params.get("subfuns")
+    new = None if subfuns is None else make(*subfuns)
+    return params if new is None else dict(params, subfuns=new)
+
+
+def wrapped_like(fn: Callable, like: Any) -> Any:
+    """`fn` as a JAX wrapped function, for a custom call's `subfuns`."""
+    return lu.wrap_init(fn, debug_info=like.debug_info)
+
+
+def trace_wrapped(fun: Any, args: Sequence[Any]) -> tuple[Jaxpr, list[Any]]:
+    """Traces the wrapped function `fun` at `args`' types (`trace_flat`),
+    leaving the output stores it fills empty: JAX fills and reads them when it
+    calls `fun` (or its rule) itself."""
+    empty = [s for s in fun.stores if s is not None and not _store_full(s)]
+    try:
+        return trace_flat(lambda *a: list(fun.call_wrapped(*a)),
+                          [jax.typeof(x) for x in args], name="custom primal")
+    finally:
+        for s in empty:
+            getattr(s, "_store", s).reset()
+
+
+def _store_full(store: Any) -> bool:
+    return bool(getattr(store, "_store", store))
 
 
 def register_linearization(prim: Primitive, rule: Callable) -> None:

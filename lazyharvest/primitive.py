@@ -259,9 +259,20 @@ def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
     if not leaves or _jax.in_eager_mode():
         return value
     tags, scopes = _current()
+    if tag in tags:
+        _SOWN.count = harvested_sows() + 1
     outs = sow_p.bind(*leaves, tag=tag, name=name, mode=mode, scopes=scopes,
                       path=(), tree=tree, effect=tag in tags, recompute=False)
     return jax.tree_util.tree_unflatten(tree, outs)
+
+
+_SOWN = threading.local()
+
+
+def harvested_sows() -> int:
+    """How many sows of a harvested tag this thread has traced so far (a rule
+    compares it before and after running the user's code)."""
+    return getattr(_SOWN, "count", 0)
 
 
 # --- vmap of lax.cond with a batched predicate ----------------------------------

@@ -137,3 +137,58 @@ def test_jax_transform_around_a_recorded_one_is_a_clear_error():
     close(jax.vmap(lh.grad(cube))(jnp.ones(2)), jnp.full(2, 3.))
     d = lh.reap(lh.vmap(lh.grad(cube)), tag="t")(jnp.ones(2))
     close(d["grad", "x3"], jnp.full(2, 3.))
+
+
+# Rules that do not call the function: JAX's differentiation runs them instead
+# of the primal function, whose sites a harvest still reaps.
+@jax.custom_jvp
+def jvp_rule_only(x):
+    return jnp.sum(jnp.tanh(lh.sow(jnp.sin(x) * W, tag="t", name="h")))
+
+
+jvp_rule_only.defjvp(lambda p, t: (jnp.sum(jnp.tanh(jnp.sin(p[0]) * W)), 5.0 * jnp.sum(t[0])))
+
+
+@jax.custom_vjp
+def vjp_rule_only(x):
+    return jnp.sum(jnp.tanh(lh.sow(jnp.sin(x) * W, tag="t", name="h")))
+
+
+vjp_rule_only.defvjp(lambda x: (jnp.sum(jnp.tanh(jnp.sin(x) * W)), x),
+                     lambda x, g: (g * 7.0 * jnp.ones_like(x),))
+
+
+def test_site_in_custom_jvp_function_under_jax_jvp_inside_the_harvest():
+    t = jnp.array([1.0, -0.5])
+    (out, tan), d = lh.call_and_reap(lambda x: jax.jvp(jvp_rule_only, (x,), (t,)), tag="t")(X)
+    close(tan, 5.0 * jnp.sum(t))                          # the user's rule
+    close(d["h"], jnp.sin(X) * W)
+    close(d["jvp", "h"], jax.jvp(lambda x: jnp.sin(x) * W, (X,), (t,))[1])
+
+
+def test_site_in_custom_jvp_function_under_jax_grad_inside_the_harvest():
+    g, d = lh.call_and_reap(jax.grad(jvp_rule_only), tag="t")(X)
+    close(g, jnp.full(2, 5.0))
+    close(d["h"], jnp.sin(X) * W)
+    # the rule says how the output depends on x; the site is a constant for
+    # it, like a plant there (whose gradient is zero)
+    close(d["vjp", "h"], jnp.zeros(2))
+    planted = jax.grad(lambda p: lh.plant(jvp_rule_only, tag="t")({"h": p}, X))(jnp.sin(X) * W)
+    close(planted, jnp.zeros(2))
+
+
+def test_site_in_custom_vjp_function_under_jax_grad_inside_the_harvest():
+    g, d = lh.call_and_reap(jax.grad(vjp_rule_only), tag="t")(X)
+    close(g, jnp.full(2, 7.0))
+    close(d["h"], jnp.sin(X) * W)
+    assert ("vjp", "h") not in d  # values only (docs/semantics.md)
+    _, d = lh.call_and_reap(lambda x: jax.vjp(vjp_rule_only, x)[1](2.0), tag="t")(X)
+    close(d["h"], jnp.sin(X) * W)
+
+
+def test_custom_function_without_sites_is_traced_as_jax_does():
+    # jax.nn.relu is a custom_jvp function: no copy of it under a harvest
+    f = lambda x: jnp.sum(jax.nn.relu(lh.sow(x, tag="t", name="a")))
+    jaxpr = jax.make_jaxpr(lambda x: lh.reap(jax.grad(f), tag="t")(x)["a"])(X)
+    plain = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(jax.nn.relu(x))))(X)
+    assert str(jaxpr).count("max") <= str(plain).count("max") + 1

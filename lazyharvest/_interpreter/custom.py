@@ -7,17 +7,19 @@ custom call, so the user's derivative rule stays in force.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from lazyharvest import _jax
 from lazyharvest._interpreter.plumbing import PlantOperands, strip_sites
 from lazyharvest._interpreter.run import EVAL_RULES, Run, bind
-from lazyharvest._interpreter.sites import count_occurrences
+from lazyharvest._interpreter.sites import count_occurrences, jaxpr_has_sites
+from lazyharvest.primitive import active_tags, harvested_sows
 
 
 def _custom(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call_jaxpr, **_) -> list:
@@ -31,6 +33,73 @@ def _custom(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call_jaxpr, **_) -> l
 
 EVAL_RULES[_jax.custom_jvp_call_p] = _custom
 EVAL_RULES[_jax.custom_vjp_call_p] = _custom
+
+
+# --- JAX's differentiation inside a harvest ------------------------------------
+#
+# A JAX differentiation traced inside a harvest runs the user's rule (jvp or
+# fwd) instead of the primal function, whose sites would never be traced. The
+# bind hooks below make the rule also evaluate a copy of the primal function
+# when it sows a harvested tag: its sites are then traced like any others (a
+# custom_jvp function's under `jax.jvp`, so they get tangents; a custom_vjp
+# function's as values only), while the outputs still come from the rule.
+
+def _harvested_sites(fun: Any, primals: Sequence[Any]) -> _jax.ClosedJaxpr | None:
+    """The primal function traced at `primals`, if it sows a harvested tag."""
+    tags = active_tags()
+    if not tags:
+        return None
+    jaxpr, consts = _jax.trace_wrapped(fun, primals)
+    if not any(jaxpr_has_sites(jaxpr, t) for t in tags):
+        return None
+    return _jax.ClosedJaxpr(jaxpr, consts)
+
+
+def _dense(t: Any) -> Any:
+    if isinstance(t, SymbolicZero):
+        return np.zeros(t.shape, t.dtype) if t.dtype == jax.dtypes.float0 else jnp.zeros(
+            t.shape, t.dtype)
+    return t
+
+
+def _jvp_with_sites(fun: Any, jvp: Any) -> tuple:
+    def rule(*xs: Any) -> Any:
+        n = len(xs) // 2
+        before = harvested_sows()
+        out = jvp.call_wrapped(*xs)
+        # A rule that sows (most call the function itself) has its own sites.
+        closed = None if harvested_sows() != before else _harvested_sites(fun, xs[:n])
+        if closed is not None:
+            jax.jvp(lambda *p: _jax.eval_jaxpr(closed.jaxpr, closed.consts, *p),
+                    tuple(xs[:n]), tuple(map(_dense, xs[n:])))
+        return out
+    return fun, _jax.wrapped_like(rule, jvp)
+
+
+def _fwd_with_sites(fun: Any, fwd: Any, bwd: Any) -> tuple:
+    def rule(*xs: Any) -> Any:  # (primal, perturbed) pairs
+        before = harvested_sows()
+        out = fwd.call_wrapped(*xs)
+        closed = None if harvested_sows() != before else _harvested_sites(fun, xs[::2])
+        if closed is not None:
+            _jax.eval_jaxpr(closed.jaxpr, closed.consts, *xs[::2])
+        return out
+    return fun, _jax.wrapped_like(rule, fwd), bwd
+
+
+def _make_custom_bind(with_sites: Callable[..., tuple]) -> Callable:
+    def make(default: Callable) -> Callable:
+        def bind_with_trace(trace, args, avals, params):
+            if (active_tags() and _jax.differentiation_kind(trace) is not None
+                    and any(_jax.has_tangent(trace, x) for x in args)):
+                params = _jax.replace_subfuns(params, with_sites)
+            return default(trace, args, avals, params)
+        return bind_with_trace
+    return make
+
+
+_jax.register_bind_hook(_jax.custom_jvp_call_p, _make_custom_bind(_jvp_with_sites))
+_jax.register_bind_hook(_jax.custom_vjp_call_p, _make_custom_bind(_fwd_with_sites))
 
 
 def _custom_vmap(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call, **_) -> list:

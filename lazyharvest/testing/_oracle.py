@@ -22,6 +22,15 @@ from lazyharvest.testing.statements import (
     Scan, Scope, Sow, While)
 
 
+def closure_weight(seed: int, shape: tuple) -> Any:
+    """The concrete array a ``vjp_closure`` custom function closes over. (A
+    custom rule that closed over a traced value would leak it: JAX asks for
+    such values to be passed as arguments, ``jax.closure_convert``.)"""
+    n = int(np.prod(shape))  # numpy: a jnp array made while tracing is traced
+    return (1.0 + 0.5 * np.tanh(np.linspace(-1.0, 1.0, n) + seed)).reshape(shape).astype(
+        np.float32)
+
+
 class Description(Protocol):
     """What the interpreter reads of a ``Program``."""
 
@@ -107,7 +116,12 @@ class Interpreter:
 
     # -- sites -----------------------------------------------------------------
 
-    def site(self, name: str, value: Any, mode: str, ctx: Ctx, sites: dict) -> Any:
+    def site(self, name: str, value: Any, mode: str, ctx: Ctx, sites: dict,
+             under_rule: bool = False) -> Any:
+        """The site's value, planted and perturbed. ``under_rule``: a site in a
+        function with a custom derivative rule, which says how the outputs
+        depend on the inputs only: a perturbation there is a constant for it
+        (as a plant is), so it gets no cotangent (docs/semantics.md)."""
         if self.lh:
             return lh.sow(value, tag=self.prog.tag, name=name, mode=mode)
         key = (*ctx.scopes, name)
@@ -125,6 +139,8 @@ class Interpreter:
                 e = jax.tree_util.tree_map(lambda a: jnp.asarray(a)[row], e)
             elif ctx.last is not None:
                 e = jax.tree_util.tree_map(lambda a: jnp.where(ctx.last, a, 0), e)
+            if under_rule:
+                e = lax.stop_gradient(e)
             v = jax.tree_util.tree_map(jnp.add, v, e)
         sites[key] = (mode, jax.tree_util.tree_map(lambda a: a[None], v) if mode == "append" else v)
         return v
@@ -349,11 +365,12 @@ class Interpreter:
         """``tanh(sow(sin(u) * w))``; with lazyharvest, under its custom rule
         (the oracle needs no rule: JAX differentiates the plain function)."""
         w: Any = 1.0
-        if st.kind == "vjp_closure":  # an intermediate: the rule closes over it
-            w = 1.0 + 0.5 * jnp.tanh(jnp.sum(lax.stop_gradient(env[st.closure])))
+        if st.kind == "vjp_closure":  # a module-level weight: both close over it
+            w = closure_weight(st.closure, jnp.shape(env[st.src]))
 
         def primal(u: Any) -> Any:
-            return jnp.tanh(self.site(st.name, jnp.sin(u) * w, st.mode, ctx, sites))
+            return jnp.tanh(self.site(st.name, jnp.sin(u) * w, st.mode, ctx, sites,
+                                      under_rule=True))
 
         def plain(u: Any) -> Any:
             return jnp.tanh(jnp.sin(u) * w)

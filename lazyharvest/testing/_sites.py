@@ -149,7 +149,8 @@ class Evidence:
     *dead* (the output does not depend on it: the derivative of
     ``p -> plant(f)({k: p}, x)`` is zero, so a linear/backward function built
     outside a harvest no longer contains it). Computed only when a key is
-    missing, in forward mode (works for ``while_loop`` too)."""
+    missing, in forward mode (works for ``while_loop`` too) or, where there is
+    none (``custom_vjp``), in reverse mode."""
 
     def __init__(self, f: Callable, args: Sequence[Any], tag: Hashable):
         self.f, self.args, self.tag = f, tuple(args), tag
@@ -175,4 +176,8 @@ class Evidence:
             self._values = reaped(self.f, self.tag, self.args)
         v = self._values[key]
         planted = lambda p: lh.plant(self.f, tag=self.tag)({key: p}, *self.args)  # noqa: E731
-        return all_zero(jax.jvp(planted, (v,), (random_like(v, 13),))[1])
+        try:
+            return all_zero(jax.jvp(planted, (v,), (random_like(v, 13),))[1])
+        except TypeError:  # no forward mode (a custom_vjp function): reverse mode
+            out, bwd = jax.vjp(planted, v)
+            return all_zero(bwd(random_like(out, 13))[0])

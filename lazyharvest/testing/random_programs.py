@@ -251,7 +251,7 @@ def _n_created(st: Any) -> int:
 def _refs(body: tuple, out: set) -> None:
     """Every variable index a statement of ``body`` (at any depth) reads."""
     for st in body:
-        for field in ("src", "a", "b", "carry", "xs", "pred", "operand", "closure"):
+        for field in ("src", "a", "b", "carry", "xs", "pred", "operand"):
             if isinstance(getattr(st, field, None), int):
                 out.add(getattr(st, field))
         if isinstance(st, Sow):
@@ -399,7 +399,7 @@ def _render(body: tuple, names: list, counter: list, lines: list, ind: str) -> N
         elif isinstance(st, While):
             new(_render_loop(st, names))
         elif isinstance(st, Custom):
-            w = f" * w(stop_gradient({names[st.closure]}))" if st.kind == "vjp_closure" else ""
+            w = f" * W{st.closure}" if st.kind == "vjp_closure" else ""
             new(f"custom_{st.kind.split('_')[0]}(u -> tanh(sow(sin(u){w}, name={st.name!r}, "
                 f"mode={st.mode!r})), exact rule)({names[st.src]})")
 

@@ -230,7 +230,8 @@ class Custom:
     derivative rule (the exact derivative, computed without the site):
     ``kind`` ``"jvp"`` (``jax.custom_jvp``, ``w = 1``), ``"vjp"``
     (``jax.custom_vjp``, ``w = 1``) or ``"vjp_closure"`` (``jax.custom_vjp``
-    closing over ``w = 1 + tanh(sum(stop_gradient(v[closure]))) / 2``)."""
+    whose primal function and rule close over a module-level array ``w``,
+    ``_oracle.closure_weight(closure, shape)``)."""
 
     src: int
     name: str
