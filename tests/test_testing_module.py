@@ -280,3 +280,28 @@ def test_module_imports_without_pytest_and_hypothesis():
     assert "law 4 (reap∘jit = reap): passed" in out.stdout
     assert "ImportError: lazyharvest.testing: the random-program strategies need " \
            "hypothesis" in out.stdout
+
+
+@pytest.mark.parametrize("scope", ["vjp", "jvp", "primal", "grad"])
+def test_every_law_holds_with_scopes_spelled_like_labels(scope):
+    # The value of `x` under scope "vjp" and the cotangent of `x` would share
+    # the key ("vjp", "x"): the library spells one out, and the checkers read
+    # a key's labels off the site it names, not off its spelling.
+    def f(x):
+        a = lh.sow(jnp.sin(x), tag="t", name="x")
+        b = lh.nest(lambda y: lh.sow(jnp.cos(y), tag="t", name="x"), scope=scope)(a)
+        return jnp.sum(a * b)
+
+    def slice_a(x):
+        return jnp.sin(x)
+
+    def slice_b(x):
+        return jnp.cos(jnp.sin(x))
+
+    def perturb(eps, x):
+        a = jnp.sin(x) + eps[("x",)]
+        b = jnp.cos(a) + eps[(scope, "x")]
+        return jnp.sum(a * b)
+    report = T.check_all(f, X, tag="t", slices={"x": slice_a, (scope, "x"): slice_b},
+                         perturb=perturb)
+    assert set(report.passed()) == set(T.LAWS), str(report)

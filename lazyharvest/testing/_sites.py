@@ -32,14 +32,51 @@ LABELS = frozenset({
 def split_labels(key: Key) -> tuple[tuple, tuple]:
     """(labels, rest) of a key: its leading parts that are transform labels.
 
-    A scope or name spelled like a label would be taken for one; the checkers
-    assume scopes and names are not label words.
+    Read off the key's spelling: a scope spelled like a label is taken for
+    one. ``label_split`` asks the sites instead.
     """
     key = normalize(key)
     n = 0
     while n < len(key) - 1 and key[n] in LABELS:
         n += 1
     return key[:n], key[n:]
+
+
+def label_split(f: Callable, tag: Hashable, args: Sequence[Any]
+                ) -> Callable[[Key], tuple[tuple, tuple]]:
+    """``split_labels`` for the keys of ``reap(f)(*args)``, read off the sites
+    they name: right for scopes and names spelled like labels too."""
+    return split_of(lh.reap(f, tag=tag)(*args))
+
+
+def split_of(d: Any) -> Callable[[Key], tuple[tuple, tuple]]:
+    """``label_split`` for the keys of the DelayedDict ``d``."""
+    def split(key: Key) -> tuple[tuple, tuple]:
+        key = normalize(key)
+        try:
+            _, scopes, _ = d._raw(key)
+        except LookupError:
+            return split_labels(key)
+        n = len(key) - len(scopes) - 1
+        return key[:n], key[n:]
+    return split
+
+
+def spelling(d: Any) -> dict[tuple[tuple, Key], Key]:
+    """``(labels, (*scopes, name)) -> key`` for every key of the DelayedDict
+    ``d``: how it spells each site. Labels are those a key shows when no two
+    sites share it (without ``"primal"`` and ``"|"``, which only a key that
+    would be shared spells out, docs/semantics.md)."""
+    out: dict = {}
+    for key in map(normalize, d.keys()):
+        try:
+            _, scopes, _ = d._raw(key)
+        except LookupError:
+            continue
+        n = len(key) - len(scopes) - 1
+        labels = tuple(x for x in key[:n] if x not in ("primal", "|"))
+        out.setdefault((labels, key[n:]), key)
+    return out
 
 
 def get_nested(tree: Mapping, key: Key) -> Any:

@@ -23,7 +23,8 @@ from lazyharvest.keys import Key, display, normalize
 from lazyharvest.testing._compare import (
     ATOL, RTOL, compare, compare_dicts, guard, missing, only_on_left, same_keys)
 from lazyharvest.testing._sites import (
-    Evidence, default_keys, flat, get_nested, reaped, split_labels)
+    Evidence, default_keys, flat, get_nested, label_split, reaped, spelling, split_labels,
+    split_of)
 from lazyharvest.testing._values import (
     all_zero, float_leaves, is_float, random_like, zeros_like_tree)
 from lazyharvest.testing.stacks import Stack
@@ -47,7 +48,9 @@ def _law(n: int, part: str = "") -> str:
     return f"law {n} ({stmt}{'; ' + part if part else ''})"
 
 
-def _split_linear(got: Mapping[Key, Any]) -> tuple[dict, dict]:
+def _split_linear(got: Mapping[Key, Any],
+                  split: Callable[[Key], tuple[tuple, tuple]] = split_labels
+                  ) -> tuple[dict, dict]:
     """(tangents, values) of a reaped linear function, keyed by plain keys.
 
     Normally its keys are plain and hold tangents. When the function holds a
@@ -55,10 +58,12 @@ def _split_linear(got: Mapping[Key, Any]) -> tuple[dict, dict]:
     whole loop in it), its keys are those of ``jax.jvp``: ``("jvp", *k)`` for
     the tangents, ``k`` for the values of the sites that run there.
     """
-    if not any(k[:1] == ("jvp",) and len(k) > 1 for k in got):
+    def tangent(k: Key) -> bool:
+        return split(k)[0][:1] == ("jvp",)
+    if not any(tangent(k) for k in got):
         return dict(got), {}
-    tangents = {k[1:]: v for k, v in got.items() if k[:1] == ("jvp",) and len(k) > 1}
-    values = {k: v for k, v in got.items() if not (k[:1] == ("jvp",) and len(k) > 1)}
+    tangents = {k[1:]: v for k, v in got.items() if tangent(k)}
+    values = {k: v for k, v in got.items() if not tangent(k)}
     return tangents, values
 
 
@@ -88,7 +93,8 @@ def check_linearize(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
         return lin(*t)
     got = guard(law, left)
     want = guard(law, right)
-    got_t, got_v = (dict(got), {}) if strict_keys else _split_linear(got)
+    got_t, got_v = (dict(got), {}) if strict_keys else _split_linear(
+        got, label_split(jax.linearize(f, *args)[1], tag, t))
     only_on_left(law, [display(k) for k in got_t if k not in want])
     missing(law, [k for k in want if k not in got_t], Evidence(f, args, tag).dead,
             "constant or dead sites", strict_keys)
@@ -101,9 +107,10 @@ def check_linearize(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
             compare(_law(1, "values in the linear function"), k, v, values[k], rtol, atol)
 
 
-def _tangent_key(key: Key) -> Key:
-    labels, rest = split_labels(key)
-    return (*labels, "jvp", *rest)
+def _tangent_parts(key: Key, split: Callable[[Key], tuple[tuple, tuple]]) -> tuple:
+    """(labels, rest) of the tangent key of ``key``: ``"jvp"`` after its labels."""
+    labels, rest = split(key)
+    return (*labels, "jvp"), rest
 
 
 def check_jvp(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
@@ -119,10 +126,17 @@ def check_jvp(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     """
     law = _law(2)
     t = random_like(args, 2) if tangents is None else tangents
-    got = guard(law, lambda: reaped(lambda *a: jax.jvp(f, a, t), tag, args))
+    left = guard(law, lambda: lh.reap(lambda *a: jax.jvp(f, a, t), tag=tag)(*args))
+    got = guard(law, lambda: flat(left))
     primals, tans = guard(law, lambda: jax.jvp(lambda *a: reaped(f, tag, a), tuple(args), t))
+    split, spelled = label_split(f, tag, args), spelling(left)
+
+    def spelled_as(labels: tuple, rest: Key) -> Key:  # a shared key is spelled out
+        plain = tuple(x for x in labels if x not in ("primal", "|"))
+        return spelled.get((plain, rest), (*labels, *rest))
+    primals = {spelled_as(*split(k)): v for k, v in primals.items()}
     want = dict(primals)
-    want.update({_tangent_key(k): v for k, v in tans.items()})
+    want.update({spelled_as(*_tangent_parts(k, split)): v for k, v in tans.items()})
     only_on_left(law, [display(k) for k in got if k not in want])
     missing(law, [k for k in primals if k not in got], lambda k: False, "", True)
     missing(law, [k for k in want if k not in got], lambda k: all_zero(want[k]),
@@ -168,8 +182,7 @@ def check_jit(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     jit = jax.jit if jit is None else jit
     want = guard(law, lambda: reaped(f, tag, args))
     d = guard(law, lambda: lh.reap(jit(f), tag=tag)(*args))
-    same_keys(_law(4, "reap(jit(f))"),
-              [k for k in map(normalize, d.keys()) if not split_labels(k)[0]], want)
+    same_keys(_law(4, "reap(jit(f))"), list(map(normalize, d.keys())), want)
     for k, v in want.items():
         compare(_law(4, "reap(jit(f))"), k, guard(law, lambda: d[k]), v, rtol, atol)
     staged = guard(law, lambda: jax.jit(lambda *a: reaped(f, tag, a))(*args))
@@ -230,7 +243,8 @@ def check_vjp(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     values = guard(law_a, lambda: reaped(f, tag, args))
     out = guard(law_a, lambda: f(*args))
     ct_out = random_like(out, 5) if cotangent is None else cotangent
-    labelled = [k for k in values if split_labels(k)[0]]
+    split = label_split(f, tag, args)
+    labelled = [k for k in values if split(k)[0]]
     if labelled:
         raise ValueError(f"check_vjp: f's keys carry labels {labelled}; law 5 is "
                          f"stated for functions that do not differentiate inside.")
@@ -274,7 +288,8 @@ def check_roundtrip(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     if keys is None:
         keys = default_keys(f, args, tag, values,
                             lambda i: not (i.mode == "clobber" and i.count > 1))
-        keys = _subset([k for k in keys if "vjp" not in split_labels(k)[0]], subset)
+        split = label_split(f, tag, args)
+        keys = _subset([k for k in keys if "vjp" not in split(k)[0]], subset)
     keys = [normalize(k) for k in keys]
     want = guard(law, lambda: f(*args))
     got = guard(law, lambda: lh.plant(f, tag=tag)({k: values[k] for k in keys}, *args))
@@ -322,8 +337,8 @@ def check_compute(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
         compare(_law(8, "fn"), k, guard(law, lambda: d.fn(*k)(*args)), by_one[k], rtol, atol)
 
 
-def _insert_scope(key: Key, scope: str) -> Key:
-    labels, rest = split_labels(key)
+def _insert_scope(key: Key, scope: str, split: Callable[[Key], tuple[tuple, tuple]]) -> Key:
+    labels, rest = split(key)
     return (*labels, scope, *rest)
 
 
@@ -342,12 +357,13 @@ def check_nest(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     out, d = guard(law, lambda: lh.call_and_reap(nested_f, tag=tag)(*args))
     compare(_law(9, "output"), None, out, f(*args), rtol, atol)
     got = guard(law, lambda: flat(d))
-    want = {_insert_scope(k, scope): v for k, v in plain.items()}
+    split = label_split(f, tag, args)
+    want = {_insert_scope(k, scope, split): v for k, v in plain.items()}
     compare_dicts(law, got, want, rtol, atol)
-    unlabelled = {k: v for k, v in plain.items() if not split_labels(k)[0]}
+    unlabelled = {k: v for k, v in plain.items() if not split(k)[0]}
     if unlabelled:
         sub = guard(law, lambda: flat(d[scope]))
-        sub = {k: v for k, v in sub.items() if not split_labels(k)[0]}
+        sub = {k: v for k, v in sub.items() if not split(k)[0]}
         compare_dicts(_law(9, f"sub-view d[{scope!r}]"), sub, unlabelled, rtol, atol)
         plants = {k: jax.tree_util.tree_map(
             lambda v: v * 0.5 + 0.25 if is_float(v) else v, v) for k, v in unlabelled.items()}
@@ -374,6 +390,9 @@ class _Law7:
         """``d[keys[k]] == expected[k]`` one leaf at a time (the lazy path); a
         key absent from ``d`` must be excused by ``excuse``."""
         present = {normalize(k) for k in d}
+        # a key two sites would share is spelled out (scopes like labels)
+        spelled = spelling(d)
+        keys = {k: spelled.get((dk[:len(dk) - len(k)], k), dk) for k, dk in keys.items()}
         missing(law, [k for k, dk in keys.items() if dk not in present], excuse, what,
                 self.strict_keys)
         for k, dk in keys.items():
@@ -384,10 +403,13 @@ class _Law7:
         """Every key ``Stack.key_labels`` names, against ``Stack.expected``."""
         law = _law(7, f"recorded transforms {stack}")
         d = guard(law, lambda: self.reap(stack.apply(self.f), *self.args))
+        spelled = spelling(d)
         for mask, labels in stack.key_labels():
             for k, s in self.slices.items():
                 value = guard(law, lambda s=s: stack.expected(s, mask)(*self.args))
                 key = (*labels, *k)
+                if key not in d:  # a key two sites would share is spelled out
+                    key = spelled.get((tuple(labels), k), key)
                 compare(law, key, guard(law, lambda: d[key]), value, self.rtol, self.atol)
 
     def plain(self) -> dict[Key, Any]:
@@ -445,7 +467,7 @@ class _Law7:
             ev = Evidence(self.f, self.args, self.tag)
             dead = lambda k: all_zero(tan[k]) or ev.dead(k)  # noqa: E731
         what = "constant or dead sites"
-        _, got_v = _split_linear({normalize(k): None for k in dl})
+        _, got_v = _split_linear({normalize(k): None for k in dl}, split_of(dl))
         if got_v and not self.strict_keys:  # a while_loop: jax.jvp's keys (law 1)
             self.leaves(law, dl, {k: k for k in got_v}, want)
             self.leaves(law, dl, {k: ("jvp", *k) for k in self.slices}, tan, dead, what)
@@ -547,7 +569,8 @@ def _what_applies(f: Callable, args: Sequence[Any],
         out_shape = jax.eval_shape(f, *args)
     except Exception as e:  # noqa: BLE001
         raise AssertionError(f"check_all: reaping f failed: {type(e).__name__}: {e}") from e
-    labelled = any(split_labels(k)[0] for k in keys)
+    split = label_split(f, tag, args)
+    labelled = any(split(k)[0] for k in keys)
     if not (float_leaves(args) and float_leaves(out_shape)):
         why = "needs floating inputs and outputs"
         return labelled, why, why

@@ -185,6 +185,8 @@ def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool,
             _sow_constructs(st, found, in_scan)
         elif isinstance(st, Scope):
             found.add("scope")
+            if st.scope in LABEL_NAMES:
+                found.add("label_scopes")
             if scope_depth >= 1:
                 found.add("nested_scope")
             _constructs(st.body, found, scope_depth + 1, in_scan, in_remat)

@@ -54,6 +54,7 @@ CONSTRUCTS = frozenset({
     # a site in the primal function of a custom rule (closing over an array):
     "custom_jvp", "custom_vjp", "custom_vjp_closure",
     "label_names",  # sites named like the labels of keys ("jvp", "vjp", ...)
+    "label_scopes",  # lh.nest scopes spelled like labels
     "constant_in_jit",  # a constant site directly inside jax.jit
     "constant_in_scan",  # a constant or stop_gradient site directly in a scan body
 })

@@ -167,6 +167,8 @@ class _Gen:
         if kind == "scope":
             self.n_scopes += 1
             scope = f"b{self.n_scopes - 1}"
+            if "label_scopes" in self.allowed and self.draw(self.st().integers(0, 2)) == 2:
+                scope = self.draw(self.st().sampled_from(LABEL_NAMES))
             body, new = self.block(shapes, scopes + (scope,), depth + 1, loop, 1, 3)
             return Scope(scope, body), new
         body, new = self.block(shapes, scopes, depth + 1, loop, 1, 3)
