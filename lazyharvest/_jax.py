@@ -771,6 +771,11 @@ def wrap_transpose(prim: Primitive, keep: Callable[[dict], bool]) -> None:
     def rule(cts_in, *args, **params):
         if all(type(c) is Zero for c in cts_in) and keep(params):
             params = {n: shown(v) for n, v in params.items()}
+        if prim is scan_p and any(type(c) is Zero for c in cts_in):
+            # A scan kept for its sites may get a symbolic-zero cotangent for
+            # its stacked outputs (JAX's DCE would have dropped them), which
+            # JAX's scan transpose does not slice per iteration.
+            cts_in = [_ad.instantiate_zeros(c) for c in cts_in]
         return original(cts_in, *args, **params)
     rule._lazyharvest = True  # type: ignore[attr-defined]
     _ad.fancy_transposes[prim] = rule

@@ -482,3 +482,28 @@ def test_regression_constant_site_in_a_jit_whose_differentiated_input_is_dead(cu
     close(d["vjp", "s"], want)
     _, bwd = jax.vjp(f, X)
     close(reaped(bwd, 1.)["s"], want)
+
+
+def test_regression_scan_kept_for_its_sites_with_unused_stacked_outputs_under_vjp():
+    # The scan's stacked outputs feed only a jit that holds a constant site:
+    # the scan is kept for its tangent sites, its stacked outputs get a
+    # symbolic-zero cotangent, and JAX's scan transpose crashed on it
+    # ("Expected cotangent type float32[] but got float32[3]") — plain
+    # jax.vjp, no harvest needed.
+    a, b = jnp.array([0.3, 0.7, 0.1]), jnp.array(0.2)
+
+    def f(a, b, e=0.):
+        def body(c, xi):
+            v = lh.sow(jnp.cos(xi), tag="t", name="s0", mode="append")
+            return 0.5 * c + jnp.tanh(v), v
+        carry, ys = lax.scan(body, b, a)
+        k = jax.jit(lambda a, b, c, ys: lh.sow(lax.stop_gradient(ys), tag="t", name="s1"))(
+            a, b, carry, ys)
+        return 0.5 * jnp.sum(k + e)
+    _, bwd = jax.vjp(f, a, b)
+    ga, gb = bwd(1.)
+    close(ga, jnp.zeros(3))
+    close(gb, 0.)
+    d = reaped(bwd, 1.)
+    close(d["s1"], jax.grad(lambda e: f(a, b, e))(jnp.zeros(3)))  # d out / d site
+    close(d["s0"], jnp.zeros(3))
