@@ -43,13 +43,9 @@ KNOWN_BUGS = {
     # cotangent key in the backward function
     "custom_vjp": {5, 7},
     "custom_vjp_closure": {5, 7},
-    # a constant or stop_gradient site in a scan (seen dead, after a reverse
-    # scan, with a pytree input): under reverse mode a zero ("jvp", name) key
-    # instead of ("vjp", name), like constant_in_jit before its fix
-    "constant_in_scan": {5, 7},
 }
 # the constructs whose bugs are in reverse mode (laws 5 and 7)
-REVERSE_BUGS = {"custom_vjp", "custom_vjp_closure", "constant_in_scan"}
+REVERSE_BUGS = {"custom_vjp", "custom_vjp_closure"}
 # JAX has no forward mode through custom_vjp: laws 1 and 2 do not apply there
 NO_FORWARD = {"custom_vjp", "custom_vjp_closure"}
 
