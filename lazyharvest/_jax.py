@@ -680,9 +680,12 @@ def wrap_linearization(prim: Primitive, keep: Callable[[JaxprEqn], bool]) -> Non
     _ad.primitive_linearizations[prim] = rule
 
 
-def wrap_dce_rule(prim: Primitive, keep: Callable[[JaxprEqn], bool]) -> None:
+def wrap_dce_rule(prim: Primitive, keep: Callable[[JaxprEqn], bool],
+                  made_linear: Callable[[JaxprEqn], bool]) -> None:
     """`prim`'s DCE rule looks inside an eqn `keep` selects even when none of
-    its outputs is used (JAX's rules drop such an effect-free eqn whole)."""
+    its outputs is used (JAX's rules drop such an effect-free eqn whole), and
+    keeps every input of one whose body makes a value the backward pass
+    treats as linear (`made_linear`)."""
     original = pe.dce_rules.get(prim)
     if original is None or getattr(original, "_lazyharvest", False):
         return
@@ -695,17 +698,50 @@ def wrap_dce_rule(prim: Primitive, keep: Callable[[JaxprEqn], bool]) -> None:
             shown = new_jaxpr_eqn(eqn.invars, eqn.outvars, eqn.primitive, eqn.params,
                                   eqn.effects | {_keep_effect}, eqn.source_info, eqn.ctx)
         used_inputs, new_eqn = original(used_outputs, shown)
-        if new_eqn is None or (prim is jit_p and not all(used_inputs)):
-            # Kept whole: a jit that drops a body using no input, or one that
-            # would lose an input: DCE cannot tell a linear input from a
-            # residual, and a jit left with residuals only counts as a
-            # constant of the backward pass (evaluated forward, never
-            # transposed: its sites get no cotangent, a custom_vjp's linear
-            # part inside cannot run).
+        if new_eqn is None:  # a jit whose body uses no input: kept whole
             return [True] * len(eqn.invars), eqn
-        return used_inputs, new_eqn
+        if all(used_inputs) or not (prim is jit_p or made_linear(eqn)):
+            return used_inputs, new_eqn
+        # The backward pass transposes an eqn only if one of its inputs is
+        # linear; otherwise it evaluates it forward: the sites inside get no
+        # cotangent, and a custom_vjp's linear part inside cannot run. DCE
+        # may drop every linear input (it cannot tell them from residuals)
+        # when the body's only linear values are made inside (a constant
+        # site's zero tangent; in a jit, also the zero tangent given to a
+        # cond or scan holding sites): keep them all.
+        return [True] * len(eqn.invars), _keeping_inputs(used_outputs, eqn, new_eqn)
     rule._lazyharvest = True  # type: ignore[attr-defined]
     pe.dce_rules[prim] = rule
+
+
+def _keeping_inputs(used_outputs: Sequence[bool], eqn: JaxprEqn,
+                    dced: JaxprEqn) -> JaxprEqn:
+    """`dced` (a jit, scan or cond eqn after JAX's DCE rule) reading every
+    input of `eqn` again: its bodies' unused binders are kept.
+
+    Not `eqn` whole: a scan kept whole (or a jit holding one) would keep
+    unused extensive outputs, whose symbolic zero cotangents JAX's scan
+    transpose cannot take.
+    """
+    p = eqn.params
+    used = list(used_outputs)
+    if eqn.primitive is cond_p:
+        params = dict(dced.params, branches=tuple(_dce_keeping_binders(b, used)
+                                                  for b in p["branches"]))
+    elif eqn.primitive is scan_p:  # every carry stays: a carry in needs its carry out
+        used[:p["num_carry"]] = [True] * p["num_carry"]
+        params = dict(p, jaxpr=_dce_keeping_binders(p["jaxpr"], used))
+    else:  # jit: the per-output parameters as DCE left them, per-input ones whole
+        params = dict(dced.params, jaxpr=_dce_keeping_binders(p["jaxpr"], used),
+                      **{k: p[k] for k in ("in_shardings", "in_layouts", "donated_invars")})
+    outvars = [v for v, u in zip(eqn.outvars, used) if u]
+    return new_jaxpr_eqn(eqn.invars, outvars, eqn.primitive, params, dced.effects,
+                         eqn.source_info, eqn.ctx)
+
+
+def _dce_keeping_binders(body: ClosedJaxpr, used_outputs: list[bool]) -> ClosedJaxpr:
+    jaxpr, _ = pe.dce_jaxpr(body.jaxpr, used_outputs, instantiate=True)
+    return ClosedJaxpr(jaxpr, body.consts)
 
 
 def register_partial_eval_rule(prim: Primitive, make_rule: Callable) -> None:

@@ -51,43 +51,55 @@ def _dce(used_outputs, eqn):
     return _jax.default_dce_rule(used_outputs, eqn)
 
 
-_HOLDS: dict = {}  # (id(jaxpr), tangent only) -> (jaxpr, found)
+_HOLDS: dict = {}  # (id(jaxpr), which) -> (jaxpr, found)
+
+# Which sites `_jaxpr_holds` looks for: any site; a tangent or cotangent site;
+# the zero tangent of a constant site under reverse mode (`_constant_site`).
+_ANY, _DERIVATIVE, _CONSTANT = "any", "derivative", "constant"
 
 
-def _jaxpr_holds(jaxpr, tangent: bool) -> bool:
-    hit = _HOLDS.get((id(jaxpr), tangent))
+def _jaxpr_holds(jaxpr, which: str) -> bool:
+    hit = _HOLDS.get((id(jaxpr), which))
     if hit is not None and hit[0] is jaxpr:
         return hit[1]
-    found = any(_eqn_holds(e, tangent) for e in jaxpr.eqns)
+    found = any(_eqn_holds(e, which) for e in jaxpr.eqns)
     if len(_HOLDS) > 4096:
         _HOLDS.clear()
-    _HOLDS[(id(jaxpr), tangent)] = (jaxpr, found)
+    _HOLDS[(id(jaxpr), which)] = (jaxpr, found)
     return found
 
 
-def _eqn_holds(eqn, tangent: bool) -> bool:
+def _eqn_holds(eqn, which: str) -> bool:
     if eqn.primitive is sow_p:
-        return _is_derivative(eqn.params) or not tangent
-    return _bodies_hold(eqn.params, tangent)
+        if which == _CONSTANT:
+            return bool(eqn.params.get("constant")) and eqn.params["path"][-1:] == (JVP,)
+        return which == _ANY or _is_derivative(eqn.params)
+    return _bodies_hold(eqn.params, which)
 
 
-def _bodies_hold(params: dict, tangent: bool) -> bool:
-    """Some body among `params` holds a site (a tangent/cotangent one)."""
+def _bodies_hold(params: dict, which: str) -> bool:
+    """Some body among `params` holds a site of the kind `which` selects."""
     for v in params.values():
         for x in v if isinstance(v, (tuple, list)) else (v,):
             j = getattr(x, "jaxpr", x)  # a ClosedJaxpr's jaxpr, or a Jaxpr
-            if isinstance(j, _jax.Jaxpr) and _jaxpr_holds(j, tangent):
+            if isinstance(j, _jax.Jaxpr) and _jaxpr_holds(j, which):
                 return True
     return False
 
 
 def _holds_tangent_sites(eqn) -> bool:
     """`eqn` is, or holds in a body, a tangent/cotangent site."""
-    return _eqn_holds(eqn, True)
+    return _eqn_holds(eqn, _DERIVATIVE)
+
+
+def _holds_constant_sites(eqn) -> bool:
+    """`eqn` holds in a body the zero tangent of a constant site made under
+    reverse mode: a value the backward pass treats as linear, made inside."""
+    return _bodies_hold(eqn.params, _CONSTANT)
 
 
 def _bodies_hold_tangent_sites(params: dict) -> bool:
-    return _bodies_hold(params, True)
+    return _bodies_hold(params, _DERIVATIVE)
 
 
 def _make_bind(default):
@@ -179,7 +191,7 @@ def _make_body_bind(default):
     def bind_with_trace(trace, args, avals, params):
         kind = _jax.differentiation_kind(trace)
         if (kind is None or any(_jax.has_tangent(trace, x) for x in args)
-                or not _bodies_hold(params, False)):
+                or not _bodies_hold(params, _ANY)):
             return default(trace, args, avals, params)
         if kind == "jvp" and not (active_tags() or _jax.under_linearization(trace)):
             # jax.jvp's values are recorded only by a harvest (a jitted jvp is
@@ -211,6 +223,6 @@ def _transposes_sites(params: dict) -> bool:
 # constant sites have no keys.)
 for _prim in (_jax.jit_p, _jax.scan_p, _jax.cond_p):
     _jax.wrap_linearization(_prim, _holds_tangent_sites)
-    _jax.wrap_dce_rule(_prim, _holds_tangent_sites)
+    _jax.wrap_dce_rule(_prim, _holds_tangent_sites, _holds_constant_sites)
     _jax.wrap_transpose(_prim, _transposes_sites)
     _jax.register_bind_hook(_prim, _make_body_bind)

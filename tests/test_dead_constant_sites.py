@@ -507,3 +507,56 @@ def test_regression_scan_kept_for_its_sites_with_unused_stacked_outputs_under_vj
     d = reaped(bwd, 1.)
     close(d["s1"], jax.grad(lambda e: f(a, b, e))(jnp.zeros(3)))  # d out / d site
     close(d["s0"], jnp.zeros(3))
+
+
+def test_regression_constant_site_in_a_scan_whose_outputs_are_unused():
+    # Under reverse mode DCE left the scan of the linear function with no
+    # input, so the backward pass evaluated it forward: a zero ("jvp", name)
+    # key instead of ("vjp", name). `e`: one perturbation per iteration, of a
+    # value nothing uses.
+    def f(x, e=None):
+        def body(c, ei):
+            k = lh.sow(C0 * 1., tag="t", name="k", mode="append")
+            return c, (k if e is None else k + ei)
+        lax.scan(body, x, jnp.zeros((4, 3)) if e is None else e)
+        return jnp.sum(jnp.sin(x))
+    want = jax.grad(lambda e: f(X, e))(jnp.zeros((4, 3)))  # zeros
+    d = reaped(jax.grad(f), X)
+    assert set(d) == {"k", ("vjp", "k")}
+    close(d["vjp", "k"], want)
+    _, bwd = jax.vjp(f, X)
+    close(reaped(bwd, 1.)["k"], want)
+
+
+def _scaled_constant_site(wrap):
+    """`f(x, e)` whose jit, scan or cond body squares a constant site `k` (plus
+    `e`): its linear body reads a residual, not the tangent of `x`."""
+    def site(e):
+        return lh.sow(C0 * 1., tag="t", name="k", mode="append") + e
+
+    def f(x, e=None):
+        e = jnp.zeros((1, 3)) if e is None else e
+        if wrap == "jit":
+            y = jax.jit(lambda x, e: (jnp.sum(jnp.square(site(e[0]))), x))(x, e)[0]
+        elif wrap == "scan":
+            y = jnp.sum(lax.scan(lambda c, ei: (c, jnp.sum(jnp.square(site(ei)))), x, e)[1])
+        else:
+            y = lax.cond(jnp.sum(x) > 0, lambda x, e: jnp.sum(jnp.square(site(e[0]))),
+                         lambda x, e: -jnp.sum(jnp.square(site(e[0]))), x, e)
+        return y + jnp.sum(jnp.sin(x))
+    return f
+
+
+@pytest.mark.parametrize("wrap", ["jit", "scan", "cond"])
+def test_regression_constant_site_scaled_by_a_residual_in_a_body(wrap):
+    # The body's only linear value was the site's zero tangent (times a
+    # residual): DCE kept the residual, dropped the tangent input, and the
+    # backward pass evaluated the body forward: ("jvp", "k") instead of
+    # ("vjp", "k") = d out / d site.
+    f = _scaled_constant_site(wrap)
+    want = jax.grad(lambda e: f(X, e))(jnp.zeros((1, 3)))
+    d = reaped(jax.grad(f), X)
+    assert set(d) == {"k", ("vjp", "k")}
+    close(d["vjp", "k"], want)
+    _, bwd = jax.vjp(f, X)
+    close(reaped(bwd, 1.)["k"], want)

@@ -36,13 +36,9 @@ KNOWN_BUGS = {
     # the linear function of a while_loop that never runs reaps zeros, not the
     # value sown before the loop
     "zero_trip_keeps_earlier": {1, 7},
-    # a constant or stop_gradient site in a scan (seen dead, after a reverse
-    # scan, with a pytree input): under reverse mode a zero ("jvp", name) key
-    # instead of ("vjp", name), like constant_in_jit before its fix
-    "constant_in_scan": {5, 7},
 }
 # the constructs whose bugs are in reverse mode (laws 5 and 7)
-REVERSE_BUGS = {"constant_in_scan"}
+REVERSE_BUGS: set[str] = set()
 # JAX has no forward mode through custom_vjp: laws 1 and 2 do not apply there
 NO_FORWARD = {"custom_vjp", "custom_vjp_closure"}
 # a site in a custom rule's primal function has no key in a linear/backward
