@@ -38,9 +38,6 @@ KNOWN_BUGS = {
     # own; (5: check_all takes f for reverse-differentiable, as jax.vjp drops
     # the dead loop, but call_and_reap's VJP holds it)
     "dead_while_sown_before": {1, 5, 7},
-    # the linear function of a while_loop that never runs reaps zeros, not the
-    # value sown before the loop
-    "zero_trip_keeps_earlier": {1, 7},
     # a site in a custom_jvp function has no value key under jax.jvp / jax.grad,
     # and no derivative keys (the strict-key tests leave it out too)
     "custom_jvp": {2, 7},
@@ -81,8 +78,7 @@ def program_and_args(draw, **kw):
 
 @FEW
 @slow
-@given(program_and_args(exclude={"zero_trip_keeps_earlier", "dead_while_sown_before"}
-                        | NO_FORWARD))  # KNOWN_BUGS
+@given(program_and_args(exclude={"dead_while_sown_before"} | NO_FORWARD))  # KNOWN_BUGS
 def test_law1_linearize(pa):
     p, args = pa
     T.check_linearize(p.fn, *args, tag=p.tag)
@@ -171,8 +167,7 @@ def test_law6_roundtrip(pa, seed):
 
 @FEW
 @slow
-@given(program_and_args(exclude={"zero_trip_keeps_earlier", "dead_while_sown_before",
-                                 "custom_jvp"}))  # KNOWN_BUGS
+@given(program_and_args(exclude={"dead_while_sown_before", "custom_jvp"}))  # KNOWN_BUGS
 def test_law7_lazy_equals_direct_definition(pa):
     p, args = pa
     T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices, forward=p.forward_differentiable)
