@@ -547,6 +547,15 @@ def parent_trace(trace: Any) -> Any:
     return trace.parent_trace
 
 
+def traces_below(trace: Any) -> list:
+    """`trace`, its parent trace, that one's parent, and so on."""
+    out = []
+    while trace is not None:
+        out.append(trace)
+        trace = getattr(trace, "parent_trace", None)
+    return out
+
+
 def tangent_trace(trace: Any) -> Any:
     """The trace tangents of a differentiation trace are computed on."""
     return getattr(trace, "tangent_trace", None) or trace.parent_trace

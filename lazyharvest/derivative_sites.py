@@ -16,6 +16,8 @@ Importing this module registers the rules (`lazyharvest/__init__.py` does).
 
 from __future__ import annotations
 
+import weakref
+
 from lazyharvest import _jax
 from lazyharvest.keys import JVP, PRIMAL, VJP
 from lazyharvest.primitive import active_tags, sow_p
@@ -45,8 +47,10 @@ def _linearize(is_vjp, nonzeros, *primals, path, **params):
 def _dce(used_outputs, eqn):
     # A tangent or cotangent site is kept even when nothing uses it: the linear
     # and backward functions of jax.linearize / jax.vjp made outside a harvest
-    # still hold it. Primal sites without an effect go as usual.
-    if _is_derivative(eqn.params):
+    # still hold it; so does the linear function the copy of a value sown
+    # before a while loop (`_make_while_bind`). Primal sites without an
+    # effect go as usual.
+    if _is_derivative(eqn.params) or eqn.params.get("earlier"):
         return [True] * len(eqn.invars), eqn
     return _jax.default_dce_rule(used_outputs, eqn)
 
@@ -190,6 +194,7 @@ def _make_body_bind(default):
     dead or constant sites of that level like any other."""
     def bind_with_trace(trace, args, avals, params):
         kind = _jax.differentiation_kind(trace)
+        _forget(trace, params)  # the body may sow the names remembered so far
         if (kind is None or any(_jax.has_tangent(trace, x) for x in args)
                 or not _bodies_hold(params, _ANY)):
             return default(trace, args, avals, params)
@@ -206,11 +211,105 @@ def _make_body_bind(default):
     return bind_with_trace
 
 
+# --- a clobber name sown before a while_loop, under jax.linearize ---------------
+# JAX cannot split a while_loop, so the linear function holds the whole loop
+# and its primal sites (docs/laws.md, law 1), but not a clobber site sown
+# before the loop: that one is in the primal part. A loop that never runs
+# keeps the earlier value (docs/semantics.md), so the linear function gets a
+# copy of it just before the loop: a sow marked `earlier`, which a harvest
+# takes as the loop's earlier value, not as a site (`Run.copy_of_earlier`).
+# Only within one trace: a value sown outside a jit (or cond, scan) whose body
+# runs the loop is not seen.
+
+# jax.checkpoint's body is differentiated by jvp (then split), jax.linearize's
+# directly: the traces of both remember sites.
+_FORWARD = ("jvp", "linearize")
+# trace -> {(tag, scopes, name, path): (params, primal values)}
+_EARLIER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _site_key(params: dict) -> tuple:
+    return params["tag"], params["scopes"], params["name"], params["path"]
+
+
+def _sown_keys(params: dict) -> set:
+    """The keys of the sites in the bodies among `params`, but a while
+    loop's condition (whose sites are not reaped)."""
+    keys: set = set()
+    for name, v in params.items():
+        for x in () if name == "cond_jaxpr" else v if isinstance(v, (tuple, list)) else (v,):
+            j = getattr(x, "jaxpr", x)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+            for e in j.eqns if isinstance(j, _jax.Jaxpr) else ():
+                keys |= {_site_key(e.params)} if e.primitive is sow_p else _sown_keys(e.params)
+    return keys
+
+
+def _make_remembering_bind(default):
+    """sow's bind hook: under jax.linearize, it also remembers the primal value
+    of a clobber site, for a while loop that follows (`_make_while_bind`)."""
+    bind = _make_bind(default)
+
+    def bind_with_trace(trace, args, avals, params):
+        outs = bind(trace, args, avals, params)
+        kind = _jax.differentiation_kind(trace)
+        if kind is not None:
+            _sown_elsewhere(trace, _site_key(params))
+        if params["mode"] == "clobber" and kind in _FORWARD:
+            _EARLIER.setdefault(trace, {})[_site_key(params)] = (
+                params, [_jax.primal_of(trace, x) for x in outs])
+        return outs
+    return bind_with_trace
+
+
+def _sown_elsewhere(trace, key: tuple) -> None:
+    """A site differentiated at `trace` makes the value remembered at an
+    unrelated trace stale: it runs inside an eqn bound there (a checkpoint,
+    a custom rule). The traces below or above `trace` see the site too."""
+    below = _jax.traces_below(trace)
+    for other, earlier in list(_EARLIER.items()):
+        if key in earlier and other not in below and trace not in _jax.traces_below(other):
+            del earlier[key]
+
+
+def _forget(trace, params: dict) -> list:
+    """Drops (and returns) the values remembered at `trace` for the sites of
+    the bodies among `params`: from here on those bodies hold the last ones."""
+    earlier = _EARLIER.get(trace)
+    if not earlier:
+        return []
+    return [earlier.pop(k) for k in _sown_keys(params) if k in earlier]
+
+
+def _make_while_bind(default):
+    """while_loop's bind hook: under jax.linearize, a loop that goes to the
+    linear function (an input has a tangent) is preceded there by a primal
+    copy of each remembered site it sows, so that a harvest of the linear
+    function starts the loop's site carry from the value sown before it."""
+    def bind_with_trace(trace, args, avals, params):
+        found = _forget(trace, params)
+        target = _jax.tangent_trace(trace) if found else None
+        # (a jvp trace's parent may differentiate again: the copy would get
+        # a tangent there; only a staging trace takes it as it is)
+        if (found and _jax.differentiation_kind(target) is None
+                and any(_jax.has_tangent(trace, x) for x in args)):
+            with _jax.current_trace(target), \
+                    _jax.no_constant_folding(), _jax.keep_staged(_is_copy):
+                for p, primals in found:
+                    sow_p.bind(*primals, **dict(p, path=p["path"] + (PRIMAL,), earlier=True))
+        return default(trace, args, avals, params)
+    return bind_with_trace
+
+
+def _is_copy(eqn) -> bool:
+    return eqn.primitive is sow_p and eqn.params.get("earlier", False)
+
+
 _jax.register_linearization(sow_p, _linearize)
 _jax.register_dce_rule(sow_p, _dce)
 _jax.register_partial_eval_rule(sow_p, _make_partial_eval)
 _jax.register_remat_rule(sow_p, _checkpointed(_jax.remat_rule(sow_p)))
-_jax.register_bind_hook(sow_p, _make_bind)
+_jax.register_bind_hook(sow_p, _make_remembering_bind)
+_jax.register_bind_hook(_jax.while_p, _make_while_bind)
 
 
 def _transposes_sites(params: dict) -> bool:

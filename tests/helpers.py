@@ -52,8 +52,8 @@ _CORPUS: dict = {}
 # short and the simplest program of every other construct what it was.
 OPTIONAL = frozenset({
     "python_loop", "jit_layer", "stop_gradient_site", "cond_different_sites", "vmap_cond",
-    "zero_trip_scan", "zero_trip_keeps_earlier", "nested_while", "scan_in_while",
-    "custom_jvp", "custom_vjp", "custom_vjp_closure", "label_names",
+    "zero_trip_scan", "zero_trip_keeps_earlier", "dead_while_sown_before", "nested_while",
+    "scan_in_while", "custom_jvp", "custom_vjp", "custom_vjp_closure", "label_names",
     "label_scopes"})
 
 

@@ -313,6 +313,29 @@ def test_zero_trip_while_tangent_keeps_earlier_value():
     close(d["jvp", "w"], 4.)
 
 
+def _sown_then_zero_trip_while(x):
+    a = sow(jnp.sin(x), "k")
+    body = lambda c: (c[0] + 1, sow(jnp.cos(c[1]), "k"))
+    return a + lax.while_loop(lambda c: c[0] < 0, body, (0, x))[1]
+
+
+def _in_scan_body(f):
+    return lambda x: lax.scan(lambda c, _: (f(c), None), x, None, length=1)[0]
+
+
+@pytest.mark.parametrize("wrap", [lambda f: f, jax.jit, jax.checkpoint, _in_scan_body],
+                         ids=["plain", "jit", "checkpoint", "scan_body"])
+def test_linear_function_of_zero_trip_while_keeps_earlier_value(wrap):
+    # jax.linearize keeps the whole loop in the linear function, but the value
+    # sown before it lived in the primal part only: the loop reaped zeros.
+    x, t = 0.7, 1.5
+    value, tangent = jax.jvp(jnp.sin, (x,), (t,))  # plain JAX: k is sin(x)
+    _, lin = jax.linearize(wrap(_sown_then_zero_trip_while), x)
+    d = lh.reap(lin, tag="t")(t)
+    close(d["k"], value)
+    close(d["jvp", "k"], tangent)
+
+
 def test_zero_length_scan_keeps_earlier_value():
     def f(x, xs):
         sow(x * 5., "c")

@@ -81,16 +81,27 @@ def lookup(run: Run | None, key: RawKey) -> Record | None:
 def incoming(run: Run, site: Site) -> list:
     """The leaves `site` holds before a body that may not sow it runs.
 
-    Its `"clobber"` value so far (in `run` or the runs it inherits from) when
-    that has the site's structure, shapes and dtypes; zeros otherwise.
+    Its `"clobber"` value so far (in `run` or the runs it inherits from), or
+    else a copy of the value sown before a loop (`Run.earlier`), when that has
+    the site's structure, shapes and dtypes; zeros otherwise.
     """
-    r = lookup(run, site.key)
+    r = _latest(run, site.key)
     if r is not None and r.mode == "clobber" and r.tree == site.tree:
         leaves = r.leaves()
         if [(jax.typeof(x).shape, jax.typeof(x).dtype) for x in leaves] == [
                 (a.shape, a.dtype) for a in site.avals]:
             return leaves
     return zeros(site.avals)
+
+
+def _latest(run: Run | None, key: RawKey) -> Record | None:
+    """`lookup`, where a run without a record of `key` offers its copy."""
+    while run is not None:
+        r = run.records.get(key) or run.earlier.get(key)
+        if r is not None:
+            return r
+        run = run.parent
+    return None
 
 
 def seed(run: Run, sites: Sequence[Site], leaves: Sequence[Any]) -> Run:

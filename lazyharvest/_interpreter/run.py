@@ -171,6 +171,9 @@ class Run:
         # for harvests outside it.
         self.pass_through = pass_through
         self.records: dict[RawKey, Record] = {}
+        # values sown before a while loop where the loop's program lacks them
+        # (`plumbing.incoming` reads them): not sites of this run
+        self.earlier: dict[RawKey, Record] = {}
         # primal keys sown in this run: each starts a new forward pass for
         # its cotangent site (`begin_passes`)
         self.primal_sown: set[RawKey] = set()
@@ -326,6 +329,9 @@ class Run:
         if not h.owns(params):
             return sow_p.bind(*vals, **params) if self.keep_other_tags else vals
         key = raw_key(params)
+        if params.get("earlier"):
+            self.copy_of_earlier(key, params, vals)
+            return vals
         if params["recompute"]:
             # A copy rematerialized by jax.checkpoint: planted like its
             # original, never counted.
@@ -345,6 +351,18 @@ class Run:
             if self.track_sown and mode == "clobber":
                 self.record(sown_key(key), mode, _LEAF, [jnp.ones((), bool)])
         return vals
+
+    def copy_of_earlier(self, key: RawKey, params: dict, vals: list) -> None:
+        """The value sown before a while loop, copied into the linear function
+        of jax.linearize (derivative_sites.py), whose primal part has the
+        original: it is the loop's earlier value, not a site of its own (the
+        loop may be dead code there). A record of this run takes it as its
+        value so far, as the original would have."""
+        old = self.records.get(key)
+        if old is not None and old.mode == "clobber" and old.tree == params["tree"]:
+            old.chunks = [list(vals)]
+        else:
+            self.earlier[key] = Record(params["mode"], params["tree"], [list(vals)])
 
     def apply_plant(self, key: RawKey, plant: Plant | None, vals: list,
                     tokens: tuple = ()) -> list:

@@ -105,7 +105,8 @@ def count_occurrences(jaxpr: _jax.Jaxpr, harvest: Harvest) -> Counts:
     for e in jaxpr.eqns:
         p = e.params
         if e.primitive is sow_p:
-            if harvest.owns(p) and harvest.selects(p) and not p["recompute"]:
+            if (harvest.owns(p) and harvest.selects(p) and not p["recompute"]
+                    and not p.get("earlier")):  # (copies: `Run.copy_of_earlier`)
                 add_counts(counts, {raw_key(p): 1})
             continue
         rule = COUNT_RULES.get(e.primitive)

@@ -105,8 +105,12 @@ class Program:
         """The constructs this program uses (a subset of ``CONSTRUCTS``)."""
         found: set = set()
         _constructs(self.body, found, scope_depth=0, in_scan=False)
-        if _has_dead_site(self.body, self.output, 3 if self.tree_input else 1):
+        dead = _dead_statements(self.body, self.output, 3 if self.tree_input else 1)
+        if any(isinstance(st, Sow) for st in dead):
             found.add("dead_site")
+        nested = [st for b in self.body for st in _nested(b)]
+        if any(_sown_before(st) for st in dead + nested):
+            found.add("dead_while_sown_before")
         env = [False] * (3 if self.tree_input else 1)
         _variance(self.body, env, in_loop=False, in_remat=False, found=found)
         if self.tree_input:
@@ -262,19 +266,35 @@ def _refs(body: tuple, out: set) -> None:
             _refs(st.body, out)
 
 
-def _has_dead_site(body: tuple, output: Output, n_args: int) -> bool:
-    """Whether a top-level ``Sow`` creates variables nothing reads (errs
-    towards "not dead": an index read in a nested block may be another
-    variable)."""
+def _nested(st: Any) -> list:
+    """The statements of the blocks nested in ``st``, at any depth."""
+    inner = list(getattr(st, "body", ()))
+    return inner + [x for b in inner for x in _nested(b)]
+
+
+def _sown_before(st: Any) -> bool:
+    """A ``while_loop`` whose name is sown before it."""
+    return isinstance(st, While) and st.pre and st.has_while
+
+
+def _dead_statements(body: tuple, output: Output, n_args: int) -> list:
+    """The top-level statements whose variables nothing reads. A statement
+    reads only variables made before it (a larger index read in its nested
+    blocks is a variable of theirs)."""
     used = set(output.srcs)
-    _refs(body, used)
     i = n_args
     for st in body:
+        reads: set = set()
+        _refs((st,), reads)
+        used |= {j for j in reads if j < i}
+        i += _n_created(st)
+    dead, i = [], n_args
+    for st in body:
         n = _n_created(st)
-        if isinstance(st, Sow) and not used & set(range(i, i + n)):
-            return True
+        if not used & set(range(i, i + n)):
+            dead.append(st)
         i += n
-    return False
+    return dead
 
 
 def _variance(body: tuple, variant: list, in_loop: bool, in_remat: bool, found: set) -> list:

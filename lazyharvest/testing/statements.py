@@ -50,6 +50,9 @@ CONSTRUCTS = frozenset({
     "vmap_cond",  # plain jax.vmap of a cond / switch with a batched predicate
     "zero_trip_scan",  # a scan of length 0 (sowing a clobber name)
     "zero_trip_keeps_earlier",  # a loop that never runs, its name sown before
+    # a while loop nothing may read, its name sown before (top level: nothing
+    # reads it; in a nested block: any, deadness there is not tracked)
+    "dead_while_sown_before",
     "nested_while", "scan_in_while",  # a clobber site in the inner loop's body
     # a site in the primal function of a custom rule (closing over an array):
     "custom_jvp", "custom_vjp", "custom_vjp_closure",

@@ -226,7 +226,8 @@ class _Gen:
         ops = tuple(draw(st.lists(st.sampled_from(["sin", "tanh", "scale", "shift"]),
                                   min_size=1, max_size=2)))
         trips = draw(st.sampled_from([0, 1, 2]))
-        pre = "zero_trip_keeps_earlier" in self.allowed and draw(st.booleans())
+        pre = bool({"zero_trip_keeps_earlier", "dead_while_sown_before"} & self.allowed) and (
+            draw(st.booleans()))
         inner_options = [""]
         if kind == "while":
             inner_options += [k for k, c in (("while", "nested_while"), ("scan", "scan_in_while"))
