@@ -113,6 +113,32 @@ def test_cond_branch_that_does_not_sow_keeps_the_earlier_cotangent(x, in_scan):
     close(lh.reap(bwd, tag="t")(1.)["c"], want)
 
 
+def test_scan_iteration_whose_cond_does_not_sow_keeps_its_own_earlier_cotangent():
+    # In a scan body, a clobber name is sown, then sown again by one branch of
+    # a cond. The last iteration takes the other branch, an earlier one takes
+    # the sowing branch: the reaped occurrence is the last iteration's first
+    # sow (was: the earlier iteration's branch sow, as the backward scan took
+    # the iteration for one that did not sow the name).
+    xs = jnp.array([0.9, -0.5, 0.3])
+
+    def f(xs, e=None):
+        def body(c, inp):
+            xi, i = inp
+            o = sow(xi + xi, "s")
+            if e is not None:
+                o = o + jnp.where(i == len(xs) - 1, e, 0.)  # the reaped occurrence
+            v = lax.cond(o > 1.0, lambda o: sow(jnp.cos(o), "s"), jnp.cos, o)
+            return 0.5 * c + jnp.tanh(v), v
+        c, ys = lax.scan(body, 0.2, (xs, jnp.arange(len(xs))))
+        return jnp.sum(ys) + c
+    want = jax.grad(lambda e: f(xs, e))(0.)
+    d = lh.reap(jax.grad(f), tag="t")(xs)
+    close(d["s"], 0.6)
+    close(d["vjp", "s"], want)
+    _, bwd = jax.vjp(f, xs)
+    close(lh.reap(bwd, tag="t")(1.)["s"], want)
+
+
 @pytest.mark.parametrize("x", [2., -1.])
 def test_cond_plant_of_a_name_one_branch_sows(x):
     planted = lh.plant(two_names, tag="t")({"b": 5.}, x)

@@ -235,7 +235,11 @@ class Run:
                 f"last) or mode='append' (stack them).")
         backward = runs_backward(key)
         if mode == "clobber":
-            if not backward or old.seeded:
+            if backward and is_sown(key) and not old.seeded:
+                # "sown" by any contribution: a cond branch that did not sow
+                # comes first, the straight-line sow it leaves in force after
+                old.chunks = [[jnp.logical_or(o, n) for o, n in zip(old.chunks[-1], leaves)]]
+            elif not backward or old.seeded:
                 old.chunks = [list(leaves)]
                 old.seeded, old.flag = False, flag
             elif old.flag is not None:  # fill in where the first one did not sow
