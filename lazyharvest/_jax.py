@@ -457,6 +457,11 @@ def register_bind_hook(prim: Primitive, make_rule: Callable[[Callable], Callable
             _source_info_util.register_exclusion(path)
 
 
+# jax >= 0.9 passes a custom call's functions in `params["subfuns"]`, which a
+# bind hook can replace (`replace_subfuns`); jax 0.8 passes them as arguments.
+CUSTOM_CALL_HOOKS = _BIND_TAKES_AVALS and not _BIND_PARAMS_SPLIT
+
+
 def replace_subfuns(params: dict, make: Callable[..., tuple | None]) -> dict:
     """`params` of a custom call's bind with its functions (`fun, jvp` or `fun,
     fwd, bwd`, JAX's wrapped functions) replaced by `make(*subfuns)`, unless it
@@ -665,9 +670,12 @@ def keep_staged(keep: Callable[[JaxprEqn], bool]):
         frame.auto_dce = True
         staged = frame.tracing_eqns
         for i in range(start, len(staged)):
-            eqn = staged[i]
-            if not isinstance(eqn, weakref.ReferenceType) and not eqn.effects \
-                    and not keep(eqn):
+            held = staged[i]
+            if isinstance(held, weakref.ReferenceType):
+                continue
+            # (jax < 0.10 holds an eqn strongly through a thunk, `lambda: eqn`)
+            eqn = held() if callable(held) else held
+            if not eqn.effects and not keep(eqn):
                 staged[i] = weakref.ref(eqn)  # as JAX would have held it
 
 

@@ -98,8 +98,9 @@ def _make_custom_bind(with_sites: Callable[..., tuple]) -> Callable:
     return make
 
 
-_jax.register_bind_hook(_jax.custom_jvp_call_p, _make_custom_bind(_jvp_with_sites))
-_jax.register_bind_hook(_jax.custom_vjp_call_p, _make_custom_bind(_fwd_with_sites))
+if _jax.CUSTOM_CALL_HOOKS:  # (jax 0.8: these sites stay unreaped)
+    _jax.register_bind_hook(_jax.custom_jvp_call_p, _make_custom_bind(_jvp_with_sites))
+    _jax.register_bind_hook(_jax.custom_vjp_call_p, _make_custom_bind(_fwd_with_sites))
 
 
 def _custom_vmap(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call, **_) -> list:
