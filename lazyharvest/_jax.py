@@ -12,6 +12,7 @@ otherwise, and raises `require`'s error where an older JAX lacks a feature.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import weakref
 from collections.abc import Callable, Sequence
@@ -679,15 +680,21 @@ def keep_staged(keep: Callable[[JaxprEqn], bool]):
                 staged[i] = weakref.ref(eqn)  # as JAX would have held it
 
 
-def wrap_linearization(prim: Primitive, keep: Callable[[JaxprEqn], bool]) -> None:
+def wrap_linearization(prim: Primitive, keep: Callable[[JaxprEqn], bool],
+                       forward_only: bool = False) -> None:
     """`prim`'s linearization keeps the tangent eqns `keep` selects (a jit,
-    scan or cond holding tangent sites whose outputs nobody uses)."""
+    scan or cond holding tangent sites whose outputs nobody uses); with
+    `forward_only`, under `jax.linearize` only, not `jax.vjp`."""
     original = _ad.primitive_linearizations.get(prim)
-    if original is None or getattr(original, "_lazyharvest", False):
+    if original is None:  # JAX linearizes `prim` from its JVP rule
+        original = functools.partial(_ad.fallback_linearize_rule, prim)
+    if getattr(original, "_lazyharvest", False):
         return
 
-    def rule(*args, **params):
-        primals_out, nzs_out, residuals, linearized = original(*args, **params)
+    def rule(is_vjp, *args, **params):
+        if is_vjp and forward_only:
+            return original(is_vjp, *args, **params)
+        primals_out, nzs_out, residuals, linearized = original(is_vjp, *args, **params)
 
         def kept(*a, **k):
             with keep_staged(keep):
@@ -703,8 +710,8 @@ def wrap_dce_rule(prim: Primitive, keep: Callable[[JaxprEqn], bool],
     its outputs is used (JAX's rules drop such an effect-free eqn whole), and
     keeps every input of one whose body makes a value the backward pass
     treats as linear (`made_linear`)."""
-    original = pe.dce_rules.get(prim)
-    if original is None or getattr(original, "_lazyharvest", False):
+    original = pe.dce_rules.get(prim, default_dce_rule)
+    if getattr(original, "_lazyharvest", False):
         return
 
     def rule(used_outputs, eqn):
@@ -715,6 +722,8 @@ def wrap_dce_rule(prim: Primitive, keep: Callable[[JaxprEqn], bool],
             shown = new_jaxpr_eqn(eqn.invars, eqn.outvars, eqn.primitive, eqn.params,
                                   eqn.effects | {_keep_effect}, eqn.source_info, eqn.ctx)
         used_inputs, new_eqn = original(used_outputs, shown)
+        if new_eqn is shown:  # JAX's default rule: kept whole
+            return used_inputs, eqn
         if new_eqn is None:  # a jit whose body uses no input: kept whole
             return [True] * len(eqn.invars), eqn
         if all(used_inputs) or not (prim is jit_p or made_linear(eqn)):

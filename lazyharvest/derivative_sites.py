@@ -310,6 +310,11 @@ _jax.register_partial_eval_rule(sow_p, _make_partial_eval)
 _jax.register_remat_rule(sow_p, _checkpointed(_jax.remat_rule(sow_p)))
 _jax.register_bind_hook(sow_p, _make_remembering_bind)
 _jax.register_bind_hook(_jax.while_p, _make_while_bind)
+# A while loop whose outputs nobody uses stays in the linear function of
+# jax.linearize, which holds the whole loop anyway (docs/laws.md, law 1): its
+# sites are the last ones. Not under jax.vjp, which cannot transpose it.
+_jax.wrap_linearization(_jax.while_p, _holds_tangent_sites, forward_only=True)
+_jax.wrap_dce_rule(_jax.while_p, _holds_tangent_sites, lambda eqn: False)
 
 
 def _transposes_sites(params: dict) -> bool:

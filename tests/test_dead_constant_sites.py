@@ -560,3 +560,29 @@ def test_regression_constant_site_scaled_by_a_residual_in_a_body(wrap):
     close(d["vjp", "k"], want)
     _, bwd = jax.vjp(f, X)
     close(reaped(bwd, 1.)["k"], want)
+
+
+def _sown_then_dead_while(x, sow=True):
+    """Sows `x` under "k", then runs one trip of a loop sowing sin(v) under
+    "k" whose result it drops (`sow=False`: the same without sites)."""
+    s = (lambda v: lh.sow(v, tag="t", name="k", mode="clobber")) if sow else (lambda v: v)
+    s(x)
+    lax.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, s(jnp.sin(c[1]))), (0, x))
+    return jnp.cos(x)
+
+
+@pytest.mark.parametrize("wrap", [lambda f: f, jax.jit], ids=["plain", "jit"])
+def test_regression_dead_while_loop_sown_before_keeps_its_sites_under_linearize(wrap):
+    # JAX dropped the loop from the linear function: the occurrence before it
+    # stood in for the loop's own (value x, tangent t).
+    x, t = 0.7, 1.5
+    value, tangent = jax.jvp(jnp.sin, (x,), (t,))  # plain JAX: the loop's k is sin(x)
+    out, lin = jax.linearize(wrap(_sown_then_dead_while), x)
+    d = reaped(lin, t)
+    close(d["k"], value)
+    close(d["jvp", "k"], tangent)
+    close(lin(t), jax.jvp(lambda v: _sown_then_dead_while(v, sow=False), (x,), (t,))[1])
+    # jax.vjp still drops the loop (it cannot be transposed); k is dead there
+    bwd = jax.vjp(_sown_then_dead_while, x)[1]
+    close(bwd(1.0)[0], jax.grad(jnp.cos)(x))
+    close(reaped(bwd, 1.0)["k"], 0.0)

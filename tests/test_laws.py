@@ -32,13 +32,7 @@ FAST_CONSTRUCTS = {"cond", "scan", "while", "jit", "checkpoint"}
 # Open bugs the generator's constructs find (docs/laws.md, "Bugs the laws
 # found"; reproducers there): the per-construct test leaves out these laws,
 # the property tests of these laws leave out the construct.
-KNOWN_BUGS = {
-    # a while loop nothing reads is dropped from the linear function, where
-    # the tangent of the name's occurrence before the loop stands in for its
-    # own; (5: check_all takes f for reverse-differentiable, as jax.vjp drops
-    # the dead loop, but call_and_reap's VJP holds it)
-    "dead_while_sown_before": {1, 5, 7},
-}
+KNOWN_BUGS: dict[str, set[int]] = {}
 # the constructs whose bugs are in reverse mode (laws 5 and 7)
 REVERSE_BUGS: set[str] = set()
 # JAX has no forward mode through custom_vjp: laws 1 and 2 do not apply there
@@ -71,7 +65,7 @@ def program_and_args(draw, **kw):
 
 @FEW
 @slow
-@given(program_and_args(exclude={"dead_while_sown_before"} | NO_FORWARD))  # KNOWN_BUGS
+@given(program_and_args(exclude=NO_FORWARD))
 def test_law1_linearize(pa):
     p, args = pa
     T.check_linearize(p.fn, *args, tag=p.tag)
@@ -160,7 +154,7 @@ def test_law6_roundtrip(pa, seed):
 
 @FEW
 @slow
-@given(program_and_args(exclude={"dead_while_sown_before"}))  # KNOWN_BUGS
+@given(program_and_args())
 def test_law7_lazy_equals_direct_definition(pa):
     p, args = pa
     T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices, forward=p.forward_differentiable)

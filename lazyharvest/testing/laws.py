@@ -583,6 +583,9 @@ def _what_applies(f: Callable, args: Sequence[Any],
     try:
         ct = random_like(out_shape, 0)
         jax.eval_shape(lambda *a: jax.vjp(f, *a)[1](ct), *args)
+        # (JAX drops a while loop nothing reads from jax.vjp(f), not from
+        # the VJP of call_and_reap(f), where its sites are outputs)
+        jax.eval_shape(lambda *a: _vjp_of_call_and_reap(f, a, tag, ct, {}), *args)
     except Exception as e:  # noqa: BLE001
         return labelled, forward, f"f is not reverse-differentiable ({type(e).__name__})"
     return labelled, forward, None
