@@ -57,9 +57,9 @@ def require(version: Sequence[int], feature: str) -> None:
 require(MIN_JAX_VERSION, "lazyharvest")
 
 # Dead and constant sites keep their tangent/cotangent sites through rules that
-# use jax 0.10's differentiation internals (LinearizeTrace.is_vjp, bind hooks
-# with avals); on older JAX those sites behave as before (docs/compat.md).
-DERIVATIVE_SITES = JAX_VERSION >= (0, 10)
+# use differentiation internals jax 0.8 lacks (LinearizeTrace.is_vjp, bind
+# hooks with avals); on it those sites behave as before (docs/compat.md).
+DERIVATIVE_SITES = JAX_VERSION >= (0, 9)
 
 # --- imports (from here on, names present in every supported version) ------------
 

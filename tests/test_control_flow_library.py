@@ -350,7 +350,7 @@ def _in_scan_body(f):
     return lambda x: lax.scan(lambda c, _: (f(c), None), x, None, length=1)[0]
 
 
-@pytest.mark.skipif(not _jax.DERIVATIVE_SITES, reason="needs jax >= 0.10 (derivative_sites)")
+@pytest.mark.skipif(not _jax.DERIVATIVE_SITES, reason="needs jax >= 0.9 (derivative_sites)")
 @pytest.mark.parametrize("wrap", [lambda f: f, jax.jit, jax.checkpoint, _in_scan_body],
                          ids=["plain", "jit", "checkpoint", "scan_body"])
 def test_linear_function_of_zero_trip_while_keeps_earlier_value(wrap):

@@ -22,9 +22,9 @@ from lazyharvest import testing as T
 # The property suites take most of this file's time; the fast subset
 # (`-m "not slow"`) keeps every law on the simplest program of a few constructs.
 slow = pytest.mark.slow
-# Dead and constant sites under JAX's own differentiation need jax >= 0.10.
+# Dead and constant sites under JAX's own differentiation need jax >= 0.9.
 needs_derivative_sites = pytest.mark.skipif(
-    not _jax.DERIVATIVE_SITES, reason="dead and constant sites need jax >= 0.10")
+    not _jax.DERIVATIVE_SITES, reason="dead and constant sites need jax >= 0.9")
 # The fast subset keeps these constructs (one per higher-order primitive).
 FAST_CONSTRUCTS = {"cond", "scan", "while", "jit", "checkpoint"}
 
