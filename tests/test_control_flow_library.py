@@ -140,6 +140,41 @@ def test_scan_iteration_whose_cond_does_not_sow_keeps_its_own_earlier_cotangent(
     close(lh.reap(bwd, tag="t")(1.)["s"], want)
 
 
+def _planted_before_cond_in_scan(xs, e=0.):
+    """A scan body sows "s", then one branch of a cond sows it again; the last
+    iteration takes the other branch. `e` is added at the occurrence whose
+    value is reaped (the last iteration's first sow)."""
+    def body(c, inp):
+        xi, last = inp
+        o = sow(xi + xi, "s") + jnp.where(last, e, 0.)
+        v = lax.cond(o > 1.0, lambda o: sow(jnp.cos(o), "s"), jnp.cos, o)
+        return 0.5 * c + jnp.tanh(v), v
+    c, ys = lax.scan(body, 0.2, (xs, jnp.arange(len(xs)) == len(xs) - 1))
+    return jnp.sum(ys) + c
+
+
+def _planted_before_cond(x, e=0.):
+    o = sow(x * 3., "s") + e
+    return lax.cond(o > 100., lambda o: sow(jnp.cos(o), "s"), jnp.cos, o)
+
+
+@pytest.mark.parametrize("f, x, reaped", [
+    (_planted_before_cond, 0.4, lambda x: x * 3.),
+    (_planted_before_cond_in_scan, jnp.array([0.9, -0.5, 0.3]), lambda xs: xs[-1] + xs[-1]),
+], ids=["straight", "scan"])
+def test_cotangent_planted_at_a_name_the_taken_branch_does_not_sow_goes_before_the_cond(
+        f, x, reaped):
+    # The cotangent belongs to the reaped occurrence, the one before the cond
+    # (was: lost, as the plant went to the cond's occurrence, counted last).
+    ct = 2.0
+    _, bwd = jax.vjp(f, x)
+    # plain JAX: the VJP of x -> (f(x), reaped occurrence) fed (1, ct)
+    want = jax.vjp(lambda x: (f(x), reaped(x)), x)[1]((1.0, ct))[0]
+    close(lh.plant(bwd, tag="t")({"s": ct}, 1.)[0], want)
+    # the reaped cotangent is that occurrence's too (the e-perturbation)
+    close(lh.reap(bwd, tag="t")(1.)["s"], jax.grad(f, argnums=1)(x, 0.))
+
+
 @pytest.mark.parametrize("x", [2., -1.])
 def test_cond_plant_of_a_name_one_branch_sows(x):
     planted = lh.plant(two_names, tag="t")({"b": 5.}, x)

@@ -11,6 +11,7 @@ sites must be sown alike in every branch.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from lazyharvest import _jax
@@ -24,7 +25,7 @@ from lazyharvest._interpreter.plumbing import (
     trace_body,
 )
 from lazyharvest._interpreter.run import EVAL_RULES, Run, Site, bind, is_sown, runs_backward
-from lazyharvest._interpreter.sites import Harvest
+from lazyharvest._interpreter.sites import Harvest, count_occurrences
 from lazyharvest.errors import HarvestError
 
 
@@ -121,6 +122,7 @@ def _cond(run: Run, eqn: _jax.JaxprEqn, invals: list, *, branches, **_) -> list:
     in_avals = [jax.typeof(c) for c in [*all_consts, *through]] + avals
     new_branches = tuple(_branch(b, i, sizes, order, passed, flagged, in_avals)
                          for i, b in enumerate(bodies))
+    _owe_plants(run, index, branches)
     outs = bind(eqn, [index, *all_consts, *through, *ops],
                 dict(eqn.params, branches=new_branches))
     n_out = bodies[0].n_out
@@ -135,6 +137,21 @@ def _cond(run: Run, eqn: _jax.JaxprEqn, invals: list, *, branches, **_) -> list:
         for k, n in branch_run.cursor.items():
             run.cursor[k] = max(run.cursor.get(k, 0), n)
     return list(outs[:n_out])
+
+
+def _owe_plants(run: Run, index, branches) -> None:
+    """A cotangent planted at a clobber site belongs to its last occurrence
+    in program order, the first evaluated backward. Where that is in this
+    cond but the taken branch does not sow the site, the occurrence before
+    the cond takes it (`Run.pending`)."""
+    for key, pl in run.plants.items():
+        if not (pl.additive and pl.mode == "clobber" and runs_backward(key)
+                and run.cursor.get(key, 0) == 0):
+            continue
+        sowing = [i for i, b in enumerate(branches)
+                  if count_occurrences(b.jaxpr, run.harvest).get(key)]
+        if 0 < len(sowing) < len(branches):
+            run.pending[key] = ~jnp.isin(index, jnp.array(sowing, index.dtype))
 
 
 EVAL_RULES[_jax.cond_p] = _cond

@@ -179,6 +179,10 @@ class Run:
         self.primal_sown: set[RawKey] = set()
         self.replays: dict[tuple, list] = {} if replays is None else replays
         self.replay_plants: dict[tuple, Plant] = replay_plants or {}
+        # An additive clobber plant (a cotangent) that a cond was to take but
+        # whose taken branch may not sow the site: a traced bool, true where
+        # the next occurrence evaluated (the one before the cond) takes it.
+        self.pending: dict[RawKey, Any] = {}
 
     def nested(self, plants: dict[RawKey, Plant] | None = None,
                cursor: dict[RawKey, int] | None = None,
@@ -387,6 +391,10 @@ class Run:
             how = Replay(None, not plant.additive or row == plant.count - 1)
         for t in tokens:
             self.replays.setdefault((t, key), []).append(how)
+        owed = self.pending.pop(key, None)
+        if owed is not None and not how.applied:
+            return [v + jnp.where(owed, p, jnp.zeros_like(p)).astype(v.dtype)
+                    for v, p in zip(vals, plant.leaves)]
         return how.apply(plant, vals)
 
     def replay(self, key: RawKey, params: dict, vals: list) -> list:
