@@ -175,6 +175,77 @@ def test_cotangent_planted_at_a_name_the_taken_branch_does_not_sow_goes_before_t
     close(lh.reap(bwd, tag="t")(1.)["s"], jax.grad(f, argnums=1)(x, 0.))
 
 
+def _scan_cond_sows(xs, reverse=False, before=False):
+    """A scan whose body sows "s" only in one branch of a cond (xi > 0.5);
+    with `before`, the body sows it first, then the cond."""
+    def body(c, xi):
+        if before:
+            xi = sow(xi * 1.5, "s")
+        v = lax.cond(xi > 0.5, lambda o: sow(jnp.cos(o), "s"), jnp.sin, xi)
+        return 0.5 * c + v, None
+    return lax.scan(body, 0.1, xs, reverse=reverse)[0]
+
+
+def _sown_before_scan(xs, reverse=False):
+    """The name sown before a scan none of whose iterations sows it here."""
+    y = sow(xs[0] * 3., "s")
+    return _scan_cond_sows(xs * y, reverse)
+
+
+def _cond_after_scan(xs, reverse=False):
+    """The name sown before a scan, in some of its iterations, then in a cond
+    whose taken branch does not sow it."""
+    y = sow(xs[0] * 3., "s")
+    c = _scan_cond_sows(xs * y, reverse)
+    return lax.cond(c > 100., lambda o: sow(jnp.cos(o), "s"), jnp.sin, c)
+
+
+def _nested_scans(xs):
+    """An outer scan over the rows of `xs`, an inner one over their entries."""
+    def row(c, r):
+        return c + _scan_cond_sows(r), None
+    return lax.scan(row, 0., xs)[0]
+
+
+@pytest.mark.parametrize("f, x, reaped", [
+    # the last iteration does not sow: iteration 1 is the reaped one
+    (_scan_cond_sows, jnp.array([0.9, 0.8, 0.3]), lambda xs: jnp.cos(xs[1])),
+    # only the first iteration sows
+    (_scan_cond_sows, jnp.array([0.9, 0.2, 0.3]), lambda xs: jnp.cos(xs[0])),
+    # reverse=True: the value at the highest index that sowed
+    (lambda xs: _scan_cond_sows(xs, reverse=True), jnp.array([0.9, 0.8, 0.3]),
+     lambda xs: jnp.cos(xs[1])),
+    # sown before the cond too: the last iteration's first sow
+    (lambda xs: _scan_cond_sows(xs, before=True), jnp.array([0.9, 0.8, 0.3]),
+     lambda xs: xs[2] * 1.5),
+    (lambda xs: _scan_cond_sows(xs, before=True), jnp.array([0.9, 0.8, 0.5]),
+     lambda xs: jnp.cos(xs[2] * 1.5)),
+    # no iteration sows: the occurrence before the scan
+    (_sown_before_scan, jnp.array([0.1, 0.2, 0.3]), lambda xs: xs[0] * 3.),
+    (lambda xs: _sown_before_scan(xs, reverse=True), jnp.array([0.1, 0.2, 0.3]),
+     lambda xs: xs[0] * 3.),
+    # a cond after the scan that does not sow: the scan's last iteration that did
+    (_cond_after_scan, jnp.array([0.9, 0.8, 0.1]), lambda xs: jnp.cos(xs[1] * xs[0] * 3.)),
+    (lambda xs: _cond_after_scan(xs, reverse=True), jnp.array([0.9, 0.8, 0.1]),
+     lambda xs: jnp.cos(xs[1] * xs[0] * 3.)),
+    # nested scans: the last outer iteration sows nowhere
+    (_nested_scans, jnp.array([[0.9, 0.2], [0.1, 0.3]]), lambda xs: jnp.cos(xs[0, 0])),
+], ids=["iteration-1", "iteration-0", "reverse", "before-cond", "before-cond-sown",
+        "before-scan", "reverse-before-scan", "cond-after-scan",
+        "reverse-cond-after-scan", "nested"])
+def test_cotangent_planted_at_a_name_no_later_iteration_sows_goes_to_the_last_iteration_that_did(
+        f, x, reaped):
+    # The cotangent belongs to the reaped occurrence, in the highest iteration
+    # that sowed the name (was: lost, as the plant went to the highest
+    # iteration only, whose taken branch does not sow it).
+    ct = 2.0
+    _, bwd = jax.vjp(f, x)
+    # plain JAX: the VJP of x -> (f(x), reaped occurrence) fed (1, ct)
+    want = jax.vjp(lambda x: (f(x), reaped(x)), x)[1]((1.0, ct))[0]
+    close(lh.plant(bwd, tag="t")({"s": ct}, 1.)[0], want)
+    close(lh.reap(f, tag="t")(x)["s"], reaped(x))
+
+
 @pytest.mark.parametrize("x", [2., -1.])
 def test_cond_plant_of_a_name_one_branch_sows(x):
     planted = lh.plant(two_names, tag="t")({"b": 5.}, x)

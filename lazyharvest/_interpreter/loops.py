@@ -18,6 +18,7 @@ import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from lazyharvest import _jax
 from lazyharvest._interpreter.plumbing import (
@@ -48,6 +49,7 @@ from lazyharvest._interpreter.sites import (
     Counts,
     Harvest,
     count_occurrences,
+    may_owe,
     raw_key,
     sub_jaxprs,
 )
@@ -63,8 +65,16 @@ class _ScanPlants:
     order, one block per iteration. A cotangent planted at a clobber site
     belongs to the occurrence whose value is reaped, the last in program
     order: the scan that has it gets it at its highest index only, the others
-    none. Copies that `jax.checkpoint` rematerializes in this scan get the
-    operands their originals had in theirs (`ScanReplay`).
+    none. Where the first occurrence the body evaluates may not sow the site
+    (`may_owe`), the plant is `owed` instead: the whole plant is an operand
+    of every iteration, with a bool saying whether the iteration still owes
+    it. A `reverse=True` scan carries it (true until an iteration took the
+    plant); a forward one, which reaches the highest index last, gets it per
+    iteration from a scan that first finds where the site is sown
+    (`_highest_sowing`). The next occurrence after the scan takes what no
+    iteration took (`Run.pending`). Copies that
+    `jax.checkpoint` rematerializes in this scan get the operands their
+    originals had in theirs (`ScanReplay`).
     """
 
     run: Run
@@ -75,6 +85,8 @@ class _ScanPlants:
     pairs: list = attrs.field(factory=list)  # (token, key) of sliced replays
     replays: dict = attrs.field(factory=dict)  # (token, key) -> body's replays
     xs: list = attrs.field(factory=list)
+    owed: list = attrs.field(factory=list)  # keys of owed plants
+    owed_init: list = attrs.field(factory=list)  # whether the scan owes each
 
     @classmethod
     def of(cls, run: Run, jaxpr: _jax.Jaxpr, per_iter: Counts, length: int) -> _ScanPlants:
@@ -87,12 +99,20 @@ class _ScanPlants:
             run.cursor[k] = done + n
             total = pl.leaves[0].shape[0] if pl.mode == "append" else pl.count
             start = total - done - n if runs_backward(k) else done
-            if pl.mode != "append" and (n == 0 or start + n != total):
+            # owed: a cond before the scan was to take the plant but may not
+            # sow (`Run.pending`), or the scan takes it and may not sow
+            owes = n > 0 and pl.mode == "clobber" and runs_backward(k) and (
+                k in run.pending or start + n == total and may_owe(jaxpr, run.harvest, k))
+            if pl.mode != "append" and not owes and (n == 0 or start + n != total):
                 # (a scan of length 0 has no occurrence to add a cotangent at)
                 self.dropped.add(k)
                 continue
-            self.keys.append(k)
             self.slices[k] = (start, n, n_it)
+            if owes:
+                self.owed.append(k)
+                self.owed_init.append(run.pending.pop(k, np.bool_(True)))
+                continue
+            self.keys.append(k)
             self.xs += self._slice(pl, start, n, n_it)
         for pair in _copies(jaxpr, run) if run.replays else ():
             stack = run.replays.get(pair)
@@ -113,21 +133,50 @@ class _ScanPlants:
         return [jnp.zeros((self.length, *jnp.shape(x)), x.dtype).at[self.length - 1].set(x)
                 for x in pl.leaves]
 
-    def body_run(self, extra: list, track_sown: bool | None = None) -> Run:
+    def owed_leaves(self) -> list:
+        """The owed plants' leaves: operands of every iteration (scan consts)."""
+        return [x for k in self.owed for x in self.run.plants[k].leaves]
+
+    def extra_avals(self) -> list:
+        """The body's extra inputs: the plants' slices of one iteration, then
+        whether each owed plant is still owed, then the owed plants."""
+        return ([jax.typeof(x).update(shape=x.shape[1:]) for x in self.xs]
+                + [jax.typeof(np.bool_(True))] * len(self.owed)
+                + [jax.typeof(x) for x in self.owed_leaves()])
+
+    def body_run(self, extra: list, track_sown: bool | None = None,
+                 finding: bool = False) -> Run:
+        """The run of one iteration; `finding`: one that only finds where the
+        owed plants' sites are sown (`_highest_sowing`), without them."""
         run = self.run
-        plants = {k: p for k, p in run.plants.items() if k not in self.dropped}
+        plants = {k: p for k, p in run.plants.items()
+                  if k not in self.dropped and not (finding and k in self.owed)}
         replay_plants = dict(run.replay_plants)
         sizes = [len(run.plants[k].leaves) for k in self.keys]
         sizes += [len(_plant_of(run, pair).leaves) for pair, _ in self.pairs]
+        if not finding:
+            sizes += [len(self.owed)] + [len(run.plants[k].leaves) for k in self.owed]
         chunks = split_list(extra, sizes)
         for k, leaves in zip(self.keys, chunks):
             plants[k] = attrs.evolve(run.plants[k], leaves=leaves, count=self.slices[k][2])
-        for (pair, n_it), leaves in zip(self.pairs, chunks[len(self.keys):]):
+        n = len(self.keys) + len(self.pairs)
+        for (pair, n_it), leaves in zip(self.pairs, chunks[len(self.keys):n]):
             replay_plants[pair] = attrs.evolve(_plant_of(run, pair), leaves=leaves,
                                                count=n_it)
-        return run.nested(plants, {}, track_sown=track_sown,
-                          replays={p: list(e) for p, e in self.replays.items()},
-                          replay_plants=replay_plants)
+        if finding:  # a side computation: it sows nothing
+            inner = run.nested(plants, {}, lambda k: k in self.owed, pass_through=False,
+                               track_sown=True, replay_plants=replay_plants)
+            inner.keep_other_tags = False
+            return inner
+        owed = dict(zip(self.owed, chunks[n]))
+        for k, leaves in zip(self.owed, chunks[n + 1:]):
+            plants[k] = attrs.evolve(run.plants[k], count=self.slices[k][2], leaves=[
+                jnp.where(owed[k], x, jnp.zeros_like(x)) for x in leaves])
+        inner = run.nested(plants, {}, track_sown=track_sown,
+                           replays={p: list(e) for p, e in self.replays.items()},
+                           replay_plants=replay_plants)
+        inner.owed = owed
+        return inner
 
     def done(self, inner: Run) -> None:
         """Hands the body's replays (per iteration) to the copies of a later scan."""
@@ -168,26 +217,31 @@ def _check_scan_modes(h: Harvest, body: Body) -> None:
 
 
 def _scan_body(body: Body, clob: list[Site], app: list[Site], sizes: list[int],
-               flags: dict | None, any_flag: bool):
-    """`(consts', consts, carry, clobber carry, xs, plant xs)
-    -> (carry, clobber carry, ys, appended)` around the re-traced body.
+               flags: dict | None, any_flag: bool, n_owed: int):
+    """`(consts', consts, owed plants, carry, clobber carry, xs, plant xs,
+    owed xs) -> (carry, clobber carry, ys, appended)` around the re-traced body.
 
     The clobber carry seeds the body's run, so an iteration that does not sow
     a site passes its value on. In a reverse scan (`flags` given) the value
     kept is the one at the highest index that sowed, the first one seen: a
     site `k` with a flag `sown_key(k)` among `clob` keeps its value once the
     flag is set; one without (sown by code that keeps no flag) once
-    `any_flag`, the last carry, says an iteration ran.
+    `any_flag`, the last carry, says an iteration ran. Whether the iteration
+    owes each of `n_owed` owed plants is, in a reverse scan, the clobber
+    carry before that flag; in a forward scan, the owed xs.
     """
-    ncarry = sizes[2]
+    ncarry = sizes[3]
     n_clob = sum(len(s.avals) for s in clob)
     keys = [s.key for s in body.sites]
     reverse = flags is not None
 
     def new_body(*args):
-        c0, c1, carry, old, xs, pxs, _rest = split_list(args, sizes)
-        outs, leaves = body.split_outs(
-            _jax.eval_jaxpr(body.jaxpr, (), *c0, *c1, *carry, *xs, *pxs, *old[:n_clob]))
+        c0, c1, owed_pl, carry, old, xs, pxs, owed, _rest = split_list(args, sizes)
+        if reverse:
+            owed = old[n_clob:n_clob + n_owed]
+        outs, leaves = body.split_outs(_jax.eval_jaxpr(
+            body.jaxpr, (), *c0, *c1, *carry, *xs, *pxs, *owed, *owed_pl, *old[:n_clob]))
+        outs, owed = outs[:len(outs) - n_owed], outs[len(outs) - n_owed:]
         per = dict(zip(keys, per_site(body.sites, leaves)))
         if not reverse:
             new_clob = [x for s in clob for x in per[s.key]]
@@ -201,60 +255,75 @@ def _scan_body(body: Body, clob: list[Site], app: list[Site], sizes: list[int],
                 flag = flags.get(s.key)
                 seen = old[-1] if flag is None else was[flag][0]
                 new_clob += [jnp.where(seen, o, n) for o, n in zip(was[s.key], per[s.key])]
-            if any_flag:
-                new_clob.append(jnp.ones((), bool))
+        new_clob += (owed if reverse else []) + [jnp.ones((), bool)] * any_flag
         new_app = [x for s in app for x in per[s.key]]
         return [*outs[:ncarry], *new_clob, *outs[ncarry:], *new_app]
     return new_body
+
+
+def _trace_scan_body(run: Run, jaxpr: _jax.ClosedJaxpr, plan: _ScanPlants,
+                     reverse: bool) -> tuple[Body, list[Site], Run]:
+    """The re-traced body, and its clobber sites (seeded by the carry)."""
+    in_avals = invar_avals(jaxpr.jaxpr) + plan.extra_avals()
+    n_extra = len(in_avals) - len(jaxpr.jaxpr.invars)
+    # A reverse scan tracks which iterations sow each clobber site (`sown_key`).
+    make_run = lambda extra: plan.body_run(extra, track_sown=True if reverse else None)
+    body, inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts, in_avals, make_run, n_extra)
+    _check_scan_modes(run.harvest, body)
+    clob = [s for s in body.sites if s.mode == "clobber"]
+    if clob:  # again, with the clobber carry as the sites' earlier values
+        body, inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts, in_avals,
+                                 make_run, n_extra, seeds=clob)
+        assert [s.key for s in body.sites[:len(clob)]] == [s.key for s in clob]
+        clob = body.sites[:len(clob)]
+    return body, clob, inner
 
 
 def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, length,
           num_consts, num_carry, reverse, **_) -> list:
     per_iter = count_occurrences(jaxpr.jaxpr, run.harvest)
     plan = _ScanPlants.of(run, jaxpr.jaxpr, per_iter, length)
-    plant_xs = plan.xs
-    body_avals = invar_avals(jaxpr.jaxpr)
-    xs_avals = [jax.typeof(x).update(shape=x.shape[1:]) for x in plant_xs]
-    # A reverse scan tracks which iterations sow each clobber site (`sown_key`).
-    make_run = lambda extra: plan.body_run(extra, track_sown=True if reverse else None)
-    body, inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts, body_avals + xs_avals,
-                             make_run, len(plant_xs))
-    _check_scan_modes(run.harvest, body)
-    clob = [s for s in body.sites if s.mode == "clobber"]
-    if clob:  # again, with the clobber carry as the sites' earlier values
-        body, inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts, body_avals + xs_avals,
-                                 make_run, len(plant_xs), seeds=clob)
-        assert [s.key for s in body.sites[:len(clob)]] == [s.key for s in clob]
-        clob = body.sites[:len(clob)]
+    owed_xs: list = []
+    none: list = []
+    if plan.owed and not reverse:
+        owed_xs, none = _highest_sowing(run, eqn, jaxpr, plan, invals)
+    body, clob, inner = _trace_scan_body(run, jaxpr, plan, reverse)
     plan.done(inner)
     app = [s for s in body.sites if s.mode == "append"]
-    n_clob = sum(len(s.avals) for s in clob)
+    n_clob, n_owed = sum(len(s.avals) for s in clob), len(plan.owed) if reverse else 0
     flags, any_flag = None, False
     if reverse:
         keys = {s.key for s in clob}
         flags = {s.key: sown_key(s.key) for s in clob if sown_key(s.key) in keys}
         any_flag = any(s.key not in flags and not is_sown(s.key) for s in clob)
     clob_avals = [a for s in clob for a in s.avals]
-    clob_avals += [jax.typeof(np.bool_(False))] * any_flag
+    clob_avals += [jax.typeof(np.bool_(False))] * (n_owed + any_flag)
+    owed_pl = plan.owed_leaves()
+    body_avals = invar_avals(jaxpr.jaxpr)
     nb, n_xs = len(body.consts), len(body_avals) - num_consts - num_carry
-    sizes = [nb, num_consts, num_carry, len(clob_avals), n_xs, len(plant_xs)]
+    sizes = [nb, num_consts, len(owed_pl), num_carry, len(clob_avals), n_xs,
+             len(plan.xs), len(owed_xs)]
     new_jaxpr, consts = _jax.trace_flat(
-        _scan_body(body, clob, app, sizes, flags, any_flag),
-        [jax.typeof(c) for c in body.consts] + body_avals[:num_consts + num_carry]
-        + clob_avals + body_avals[num_consts + num_carry:] + xs_avals)
+        _scan_body(body, clob, app, sizes, flags, any_flag, len(plan.owed)),
+        [jax.typeof(c) for c in body.consts] + body_avals[:num_consts]
+        + [jax.typeof(x) for x in owed_pl] + body_avals[num_consts:num_consts + num_carry]
+        + clob_avals + body_avals[num_consts + num_carry:]
+        + [jax.typeof(x).update(shape=x.shape[1:]) for x in [*plan.xs, *owed_xs]])
     assert not consts
-    params = _scan_params(eqn.params, new_jaxpr, nb, len(clob_avals), len(plant_xs))
     # The clobber carry starts from the sites' earlier values (a scan of
-    # length 0 keeps them); a reverse scan's flags start unset.
+    # length 0 keeps them); a reverse scan's flags start unset, and whether
+    # it owes each owed plant is `owed_init`.
     init = [x for s in clob for x in (
         zeros(s.avals) if reverse and is_sown(s.key) else incoming(run, s))]
-    init += [np.bool_(False)] * any_flag
+    init += (plan.owed_init if reverse else []) + [np.bool_(False)] * any_flag
     consts_in, carry_in, xs_in = split_list(invals, [num_consts, num_carry])
-    outs = bind(eqn, [*body.consts, *consts_in, *carry_in, *init,
-                      *xs_in, *plant_xs], params)
+    outs = bind(eqn, [*body.consts, *consts_in, *owed_pl, *carry_in, *init,
+                      *xs_in, *plan.xs, *owed_xs], _scan_params(eqn.params, new_jaxpr, sizes))
     n_app = sum(len(s.avals) for s in app)
     carry_out, clob_out, ys, app_out = split_list(
         outs, [num_carry, len(clob_avals), len(outs) - num_carry - len(clob_avals) - n_app])
+    # what no iteration took goes to the next occurrence evaluated
+    run.pending.update(zip(plan.owed, clob_out[n_clob:n_clob + n_owed] if reverse else none))
     if length:
         run.begin_passes(inner.primal_sown)
     else:  # no iteration sows: the clobber sites keep their earlier values
@@ -264,15 +333,50 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, length,
     return [*carry_out, *ys]
 
 
-def _scan_params(p: dict, new_jaxpr: _jax.Jaxpr, nb: int, n_clob: int, n_xs: int) -> dict:
-    """The scan's params with `nb` consts, `n_clob` carries and `n_xs` xs added."""
-    nc, ncarry = p["num_consts"], p["num_carry"]
+def _highest_sowing(run: Run, eqn: _jax.JaxprEqn, jaxpr: _jax.ClosedJaxpr,
+                    plan: _ScanPlants, invals: list) -> tuple[list, list]:
+    """For a forward scan, per owed plant: whether each iteration is the
+    highest that sows its site (it owes the plant), and whether none does.
+    The scan runs first without the owed plants, and keeps only whether
+    each iteration sowed (`sown_key`)."""
+    xs_avals = [jax.typeof(x).update(shape=x.shape[1:]) for x in plan.xs]
+    body, _inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts,
+                              invar_avals(jaxpr.jaxpr) + xs_avals,
+                              lambda extra: plan.body_run(extra, finding=True), len(plan.xs))
+    p = eqn.params
+    never = [np.bool_(False)]
+
+    def sows(*args):
+        outs, leaves = body.split_outs(_jax.eval_jaxpr(body.jaxpr, (), *args))
+        per = dict(zip([s.key for s in body.sites], per_site(body.sites, leaves)))
+        return [*outs[:p["num_carry"]], *[per.get(sown_key(k), never)[0] for k in plan.owed]]
+    new_jaxpr, consts = _jax.trace_flat(
+        sows, [jax.typeof(c) for c in body.consts] + invar_avals(jaxpr.jaxpr) + xs_avals)
+    assert not consts
+    nb = len(body.consts)
+    params = _scan_params(p, new_jaxpr, [nb, p["num_consts"], 0, p["num_carry"], 0,
+                                         len(jaxpr.jaxpr.invars) - p["num_consts"]
+                                         - p["num_carry"], len(plan.xs), 0])
+    outs = bind(eqn, [*body.consts, *invals, *plan.xs], params)
+    owed, none = [], []
+    for f, init in zip(outs[p["num_carry"]:], plan.owed_init):
+        later = lax.cummax(f[::-1].astype(np.int32))[::-1]  # some iteration >= i sows
+        later = jnp.concatenate([later[1:], jnp.zeros((1,), later.dtype)]) > 0
+        owed.append(f & ~later & init)
+        none.append(~jnp.any(f) & init)
+    return owed, none
+
+
+def _scan_params(p: dict, new_jaxpr: _jax.Jaxpr, sizes: list[int]) -> dict:
+    """The scan's params with the consts, carries and xs of `_scan_body` added."""
+    nb, nc, n_owed, ncarry, n_clob, _n_xs, n_pxs, n_oxs = sizes
     params = dict(p, jaxpr=_jax.ClosedJaxpr(new_jaxpr, ()),
-                  num_consts=nb + nc, num_carry=ncarry + n_clob)
+                  num_consts=nb + nc + n_owed, num_carry=ncarry + n_clob)
     if "linear" in p:
         lin = tuple(p["linear"])
-        params["linear"] = ((False,) * nb + lin[:nc + ncarry] + (False,) * n_clob
-                            + lin[nc + ncarry:] + (False,) * n_xs)
+        params["linear"] = ((False,) * nb + lin[:nc] + (False,) * n_owed
+                            + lin[nc:nc + ncarry] + (False,) * n_clob
+                            + lin[nc + ncarry:] + (False,) * (n_pxs + n_oxs))
     return params
 
 

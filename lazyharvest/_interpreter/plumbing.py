@@ -169,6 +169,8 @@ def trace_body(run: Run, jaxpr: _jax.Jaxpr, consts: Sequence[Any],
     With `make_run`, the traced function takes `n_extra` more inputs after
     the body's own and builds the nested run from them (plants as operands);
     without it, the nested run inherits `run`'s records as earlier values.
+    Its own outputs end with `Run.still_owed` of the nested run (a loop
+    body's plants that may still be owed; none elsewhere).
     With `seeds`, it takes one more input per seed leaf, last: the seeds'
     values before the body (a loop's carry), which the body's sites output
     where the body does not sow them. The seeds come first among its sites.
@@ -182,13 +184,15 @@ def trace_body(run: Run, jaxpr: _jax.Jaxpr, consts: Sequence[Any],
         inner = make_run(list(extra)) if make_run else run.nested(inherit=True)
         seed(inner, seeds, seeded)
         outs = inner.eval(jaxpr, consts, own)
+        owed = inner.still_owed()
         holder["run"] = inner
         holder["sites"] = inner.sites()
-        return [*outs, *inner.site_leaves()]
+        holder["n_out"] = len(outs) + len(owed)
+        return [*outs, *owed, *inner.site_leaves()]
 
     new, new_consts = _jax.trace_flat(fn, in_avals)
     return Body(_jax.consts_as_invars(new), new_consts, holder["sites"],
-                len(jaxpr.outvars)), holder["run"]
+                holder["n_out"]), holder["run"]
 
 
 def finish(run: Run, body: Body, outs: list, inner: Run | None = None) -> list:

@@ -183,6 +183,9 @@ class Run:
         # whose taken branch may not sow the site: a traced bool, true where
         # the next occurrence evaluated (the one before the cond) takes it.
         self.pending: dict[RawKey, Any] = {}
+        # Such plants given to a loop body with a traced bool each, true
+        # where no iteration evaluated before took the plant (`still_owed`).
+        self.owed: dict[RawKey, Any] = {}
 
     def nested(self, plants: dict[RawKey, Plant] | None = None,
                cursor: dict[RawKey, int] | None = None,
@@ -210,6 +213,11 @@ class Run:
                    replays if replays is not None else self.replays if same else {},
                    replay_plants if replay_plants is not None
                    else self.replay_plants if same else {}, outputs_needed)
+
+    def still_owed(self) -> list:
+        """After the body: per key of `owed`, whether its plant is still owed
+        (no occurrence in the body took it), for the next iteration."""
+        return [jnp.logical_and(f, self.pending.pop(k, False)) for k, f in self.owed.items()]
 
     # -- recording --------------------------------------------------------
 

@@ -103,19 +103,40 @@ def count_occurrences(jaxpr: _jax.Jaxpr, harvest: Harvest) -> Counts:
     """How many times each selected site of `harvest` runs in one evaluation."""
     counts: Counts = {}
     for e in jaxpr.eqns:
-        p = e.params
-        if e.primitive is sow_p:
-            if (harvest.owns(p) and harvest.selects(p) and not p["recompute"]
-                    and not p.get("earlier")):  # (copies: `Run.copy_of_earlier`)
-                add_counts(counts, {raw_key(p): 1})
-            continue
-        rule = COUNT_RULES.get(e.primitive)
-        if rule is not None:
-            add_counts(counts, rule(harvest, **p))
-        else:
-            for j in sub_jaxprs(p):
-                add_counts(counts, count_occurrences(j, harvest))
+        add_counts(counts, _count_eqn(e, harvest))
     return counts
+
+
+def _count_eqn(e: _jax.JaxprEqn, harvest: Harvest) -> Counts:
+    p = e.params
+    if e.primitive is sow_p:
+        if (harvest.owns(p) and harvest.selects(p) and not p["recompute"]
+                and not p.get("earlier")):  # (copies: `Run.copy_of_earlier`)
+            return {raw_key(p): 1}
+        return {}
+    rule = COUNT_RULES.get(e.primitive)
+    if rule is not None:
+        return rule(harvest, **p)
+    counts: Counts = {}
+    for j in sub_jaxprs(p):
+        add_counts(counts, count_occurrences(j, harvest))
+    return counts
+
+
+def may_owe(jaxpr: _jax.Jaxpr, harvest: Harvest, key: RawKey) -> bool:
+    """Whether the first occurrence of `key` that `jaxpr` evaluates may not
+    sow it: one in a cond some of whose branches do not (or in a scan
+    whose body's first occurrence may not). A cotangent
+    planted there is owed to the next occurrence evaluated (`Run.pending`)."""
+    for e in jaxpr.eqns:
+        if not _count_eqn(e, harvest).get(key):
+            continue
+        p = e.params
+        if e.primitive is _jax.cond_p:
+            return any(not count_occurrences(b.jaxpr, harvest).get(key)
+                       for b in p["branches"])
+        return e.primitive is _jax.scan_p and may_owe(p["jaxpr"].jaxpr, harvest, key)
+    return False
 
 
 def _count_scan(harvest: Harvest, *, jaxpr, length, **_) -> Counts:
