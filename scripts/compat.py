@@ -3,6 +3,7 @@
 
     python scripts/compat.py                      # 0.8.3, 0.9.2, 0.10.2: full suite
     python scripts/compat.py --fast 0.8.3 0.9.2   # the fast subset (-m "not slow")
+    python scripts/compat.py --fast --parallel 0.8.3 0.9.2   # both at once (as CI)
     python scripts/compat.py 0.9.2 -- -x tests/test_sharding.py   # pytest arguments
 
 For each version it makes (or reuses) a venv under the cache directory
@@ -25,7 +26,6 @@ import argparse
 import os
 import pathlib
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -102,6 +102,67 @@ def summary(output: str) -> dict[str, int]:
     return counts
 
 
+class Suite:
+    """One version's pytest run, in its venv; its output also goes to its log.
+    Run alone, it streams the output; started with others, its output goes to
+    its log only (no pipe to fill) and is printed when it ends."""
+
+    def __init__(self, version: str, venv: pathlib.Path, cache_dir: pathlib.Path,
+                 pytest_args: list[str]):
+        self.version = version
+        self.cmd = [str(venv_python(venv)), "-m", "pytest", *pytest_args]
+        self.log_path = cache_dir / f"jax-{version}.log"
+        self.proc: subprocess.Popen | None = None
+        self.t0 = 0.0
+        self.offset = 0
+
+    def start(self, echo: bool) -> None:
+        print(f"$ {' '.join(self.cmd)}" + ("" if echo else f"   (jax {self.version}, "
+                                             f"output when it ends)"), flush=True)
+        self.t0 = time.perf_counter()
+        if echo:
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True)
+            return
+        with open(self.log_path, "a") as log:
+            self.offset = log.tell()
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log,
+                                         stderr=subprocess.STDOUT, text=True)
+
+    def finish(self) -> tuple[int, str, float, float]:
+        """Waits for the run; returns (exit status, output, seconds, CPU seconds).
+        CPU seconds are the process's own (user + sys, from os.wait4; 0
+        where the platform lacks it)."""
+        assert self.proc is not None
+        echo = self.proc.stdout is not None
+        out: list[str] = []
+        if echo:
+            with open(self.log_path, "a") as log:
+                for line in self.proc.stdout:  # type: ignore[union-attr]
+                    sys.stdout.write(line)
+                    log.write(line)
+                    out.append(line)
+        cpu = 0.0
+        if hasattr(os, "wait4"):
+            _, wait_status, usage = os.wait4(self.proc.pid, 0)
+            self.proc.returncode = os.waitstatus_to_exitcode(wait_status)
+            cpu = usage.ru_utime + usage.ru_stime
+        rc = self.proc.wait()
+        secs = time.perf_counter() - self.t0
+        if not echo:
+            with open(self.log_path) as log:
+                log.seek(self.offset)
+                out = [log.read()]
+            print(f"\n=== jax {self.version}: pytest output", flush=True)
+            sys.stdout.write(out[0])
+        sys.stdout.flush()
+        return rc, "".join(out), secs, cpu
+
+    def run(self) -> tuple[int, str, float, float]:
+        self.start(echo=True)
+        return self.finish()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("versions", nargs="*", default=list(DEFAULT_VERSIONS),
@@ -111,6 +172,9 @@ def main() -> int:
     ap.add_argument("--cache-dir", type=pathlib.Path, default=default_cache_dir(),
                     help="where the venvs live (default: %(default)s)")
     ap.add_argument("--fresh", action="store_true", help="recreate the venvs")
+    ap.add_argument("--parallel", action="store_true",
+                    help="run the versions' suites at once (one process each); each "
+                         "suite's output is printed when it ends")
     ap.add_argument("--python", default=sys.executable,
                     help="interpreter the venvs are made from (default: this one)")
     argv = sys.argv[1:]
@@ -132,38 +196,29 @@ def main() -> int:
         subset += "+args"
 
     rows, status, t_start = [], 0, time.perf_counter()
+    ready = []  # (version, venv, jaxlib version, setup seconds)
     for version in args.versions:
         venv = args.cache_dir / f"venv-jax-{version}"
         print(f"\n=== jax {version}: {venv}", flush=True)
         with open(args.cache_dir / f"jax-{version}.log", "w") as log:
             t0 = time.perf_counter()
             jaxlib_v = setup(version, venv, args.python, args.fresh, log)
-            t_setup = time.perf_counter() - t0
-            if jaxlib_v is None:
-                rows.append((version, "-", subset, dict.fromkeys(COUNTS, 0), 0.0, 0.0,
-                             t_setup, "SETUP FAILED"))
-                status = max(status, 2)
-                continue
-            t0, ru0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-            out: list[str] = []
-            cmd = [str(venv_python(venv)), "-m", "pytest", *pytest_args]
-            print("$", " ".join(cmd), flush=True)
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-            for line in proc.stdout:
-                sys.stdout.write(line)
-                log.write(line)
-                out.append(line)
-            sys.stdout.flush()
-            rc = proc.wait()
-            secs = time.perf_counter() - t0
-            ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-            cpu = ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime
-            counts = summary("".join(out))
-            result = "ok" if rc == 0 else f"FAILED (pytest exit {rc})"
-            if rc != 0:
-                status = max(status, 1)
-            rows.append((version, jaxlib_v, subset, counts, secs, cpu, t_setup, result))
+        if jaxlib_v is None:
+            rows.append((version, "-", subset, dict.fromkeys(COUNTS, 0), 0.0, 0.0,
+                         time.perf_counter() - t0, "SETUP FAILED"))
+            status = max(status, 2)
+        else:
+            ready.append((version, venv, jaxlib_v, time.perf_counter() - t0))
+    suites = [Suite(v, venv, args.cache_dir, pytest_args) for v, venv, _, _ in ready]
+    if args.parallel:
+        for suite in suites:
+            suite.start(echo=False)
+    for suite, (version, _, jaxlib_v, t_setup) in zip(suites, ready):
+        rc, out, secs, cpu = suite.finish() if args.parallel else suite.run()
+        result = "ok" if rc == 0 else f"FAILED (pytest exit {rc})"
+        if rc != 0:
+            status = max(status, 1)
+        rows.append((version, jaxlib_v, subset, summary(out), secs, cpu, t_setup, result))
 
     print("\n" + "=" * 100)
     head = (f"{'jax':<8} {'jaxlib':<8} {'subset':<10} "
