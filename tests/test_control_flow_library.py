@@ -158,6 +158,16 @@ def _planted_before_cond(x, e=0.):
     return lax.cond(o > 100., lambda o: sow(jnp.cos(o), "s"), jnp.cos, o)
 
 
+def _check_plant_goes_to(f, x, reaped, ct=2.0):
+    """A cotangent `ct` planted at "s" into f's backward function is added at
+    the occurrence `reaped(x)`; returns the backward function."""
+    _, bwd = jax.vjp(f, x)
+    # plain JAX: the VJP of x -> (f(x), reaped occurrence) fed (1, ct)
+    want = jax.vjp(lambda x: (f(x), reaped(x)), x)[1]((1.0, ct))[0]
+    close(lh.plant(bwd, tag="t")({"s": ct}, 1.)[0], want)
+    return bwd
+
+
 @pytest.mark.parametrize("f, x, reaped", [
     (_planted_before_cond, 0.4, lambda x: x * 3.),
     (_planted_before_cond_in_scan, jnp.array([0.9, -0.5, 0.3]), lambda xs: xs[-1] + xs[-1]),
@@ -166,11 +176,7 @@ def test_cotangent_planted_at_a_name_the_taken_branch_does_not_sow_goes_before_t
         f, x, reaped):
     # The cotangent belongs to the reaped occurrence, the one before the cond
     # (was: lost, as the plant went to the cond's occurrence, counted last).
-    ct = 2.0
-    _, bwd = jax.vjp(f, x)
-    # plain JAX: the VJP of x -> (f(x), reaped occurrence) fed (1, ct)
-    want = jax.vjp(lambda x: (f(x), reaped(x)), x)[1]((1.0, ct))[0]
-    close(lh.plant(bwd, tag="t")({"s": ct}, 1.)[0], want)
+    bwd = _check_plant_goes_to(f, x, reaped)
     # the reaped cotangent is that occurrence's too (the e-perturbation)
     close(lh.reap(bwd, tag="t")(1.)["s"], jax.grad(f, argnums=1)(x, 0.))
 
@@ -238,11 +244,7 @@ def test_cotangent_planted_at_a_name_no_later_iteration_sows_goes_to_the_last_it
     # The cotangent belongs to the reaped occurrence, in the highest iteration
     # that sowed the name (was: lost, as the plant went to the highest
     # iteration only, whose taken branch does not sow it).
-    ct = 2.0
-    _, bwd = jax.vjp(f, x)
-    # plain JAX: the VJP of x -> (f(x), reaped occurrence) fed (1, ct)
-    want = jax.vjp(lambda x: (f(x), reaped(x)), x)[1]((1.0, ct))[0]
-    close(lh.plant(bwd, tag="t")({"s": ct}, 1.)[0], want)
+    _check_plant_goes_to(f, x, reaped)
     close(lh.reap(f, tag="t")(x)["s"], reaped(x))
 
 
