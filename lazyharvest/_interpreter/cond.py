@@ -25,7 +25,7 @@ from lazyharvest._interpreter.plumbing import (
     trace_body,
 )
 from lazyharvest._interpreter.run import EVAL_RULES, Run, Site, bind, is_sown, runs_backward
-from lazyharvest._interpreter.sites import Harvest, count_occurrences
+from lazyharvest._interpreter.sites import Harvest, sowing_branches
 from lazyharvest.errors import HarvestError
 
 
@@ -148,8 +148,7 @@ def _owe_plants(run: Run, index, branches) -> None:
         if not (pl.additive and pl.mode == "clobber" and runs_backward(key)
                 and run.cursor.get(key, 0) == 0):
             continue
-        sowing = [i for i, b in enumerate(branches)
-                  if count_occurrences(b.jaxpr, run.harvest).get(key)]
+        sowing = sowing_branches(branches, run.harvest, key)
         if 0 < len(sowing) < len(branches):
             run.pending[key] = ~jnp.isin(index, jnp.array(sowing, index.dtype))
 

@@ -399,9 +399,9 @@ class Run:
             how = Replay(None, not plant.additive or row == plant.count - 1)
         for t in tokens:
             self.replays.setdefault((t, key), []).append(how)
-        owed = self.pending.pop(key, None)
-        if owed is not None and not how.applied:
-            return [v + jnp.where(owed, p, jnp.zeros_like(p)).astype(v.dtype)
+        pending = self.pending.pop(key, None)
+        if pending is not None and not how.applied:
+            return [v + jnp.where(pending, p, jnp.zeros_like(p)).astype(v.dtype)
                     for v, p in zip(vals, plant.leaves)]
         return how.apply(plant, vals)
 

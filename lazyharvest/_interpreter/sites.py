@@ -7,7 +7,8 @@ primitive without a rule counts its sub-jaxprs once each.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
 
 import attrs
 
@@ -133,10 +134,14 @@ def may_owe(jaxpr: _jax.Jaxpr, harvest: Harvest, key: RawKey) -> bool:
             continue
         p = e.params
         if e.primitive is _jax.cond_p:
-            return any(not count_occurrences(b.jaxpr, harvest).get(key)
-                       for b in p["branches"])
+            return len(sowing_branches(p["branches"], harvest, key)) < len(p["branches"])
         return e.primitive is _jax.scan_p and may_owe(p["jaxpr"].jaxpr, harvest, key)
     return False
+
+
+def sowing_branches(branches: Sequence[Any], harvest: Harvest, key: RawKey) -> list[int]:
+    """The indices of the cond branches that sow site `key`."""
+    return [i for i, b in enumerate(branches) if count_occurrences(b.jaxpr, harvest).get(key)]
 
 
 def _count_scan(harvest: Harvest, *, jaxpr, length, **_) -> Counts:
