@@ -481,10 +481,17 @@ def trace_wrapped(fun: Any, args: Sequence[Any]) -> tuple[Jaxpr, list[Any]]:
     """Traces the wrapped function `fun` at `args`' types (`trace_flat`),
     leaving the output stores it fills empty: JAX fills and reads them when it
     calls `fun` (or its rule) itself."""
+    return trace_wrapped_avals(fun, [jax.typeof(x) for x in args])
+
+
+def trace_wrapped_avals(fun: Any, avals: Sequence[Any], call: Callable | None = None
+                        ) -> tuple[Jaxpr, list[Any]]:
+    """`trace_wrapped` at these avals; `call(*args)` calls `fun` (default:
+    `fun.call_wrapped`)."""
     empty = [s for s in fun.stores if s is not None and not _store_full(s)]
     try:
-        return trace_flat(lambda *a: list(fun.call_wrapped(*a)),
-                          [jax.typeof(x) for x in args], name="custom primal")
+        return trace_flat(lambda *a: list((call or fun.call_wrapped)(*a)), avals,
+                          name="custom function")
     finally:
         for s in empty:
             getattr(s, "_store", s).reset()

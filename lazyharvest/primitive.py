@@ -60,11 +60,12 @@ _jax.keep_effects_in_cond_partial_eval(SowEffect)
 
 # --- harvest state: which tags are being harvested, which nest scopes apply ---
 
-_EMPTY_STATE: tuple[frozenset, tuple] = (frozenset(), ())
+# (tags harvested, nest scopes, tags whose sows are dropped: `consuming`)
+_EMPTY_STATE: tuple[frozenset, tuple, frozenset] = (frozenset(), (), frozenset())
 _state = jax.make_user_context(default_value=_EMPTY_STATE)
 
 
-def _current() -> tuple[frozenset, tuple]:
+def _current() -> tuple[frozenset, tuple, frozenset]:
     value = _state.value
     return _EMPTY_STATE if value is None else value
 
@@ -80,15 +81,24 @@ def current_scopes() -> tuple[str, ...]:
 @contextlib.contextmanager
 def harvesting(tag: Hashable) -> Iterator[None]:
     """Sites of `tag` traced inside this block are bound with the effect."""
-    tags, scopes = _current()
-    with _state((tags | {tag}, scopes)):
+    tags, scopes, dropped = _current()
+    with _state((tags | {tag}, scopes, dropped - {tag})):
+        yield
+
+
+@contextlib.contextmanager
+def consuming(tag: Hashable) -> Iterator[None]:
+    """Sows of `tag` traced inside this block are dropped: they are in a rule
+    JAX runs for a custom function, whose sites a harvest already took."""
+    tags, scopes, dropped = _current()
+    with _state((tags - {tag}, scopes, dropped | {tag})):
         yield
 
 
 @contextlib.contextmanager
 def scoped(scope: str) -> Iterator[None]:
-    tags, scopes = _current()
-    with _state((tags, scopes + (scope,))):
+    tags, scopes, dropped = _current()
+    with _state((tags, scopes + (scope,), dropped)):
         yield
 
 
@@ -256,9 +266,9 @@ def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
     if _jax.in_eager_mode() and isinstance(value, jax.Array) and mode in MODES:
         return value  # the common case outside any transformation: nothing to do
     leaves, tree = _checked_leaves(value, tag, name, mode)
-    if not leaves or _jax.in_eager_mode():
+    tags, scopes, dropped = _current()
+    if not leaves or _jax.in_eager_mode() or tag in dropped:
         return value
-    tags, scopes = _current()
     if tag in tags:
         _SOWN.count = harvested_sows() + 1
     outs = sow_p.bind(*leaves, tag=tag, name=name, mode=mode, scopes=scopes,

@@ -7,9 +7,12 @@ custom call, so the user's derivative rule stays in force.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,8 +21,19 @@ from jax.custom_derivatives import SymbolicZero
 from lazyharvest import _jax
 from lazyharvest._interpreter.plumbing import PlantOperands, strip_sites
 from lazyharvest._interpreter.run import EVAL_RULES, Run, bind
-from lazyharvest._interpreter.sites import count_occurrences, jaxpr_has_sites
-from lazyharvest.primitive import active_tags, harvested_sows
+from lazyharvest._interpreter.sites import (
+    Harvest,
+    RawKey,
+    count_occurrences,
+    jaxpr_has_sites,
+)
+from lazyharvest.primitive import (
+    active_tags,
+    consuming,
+    current_scopes,
+    harvested_sows,
+    sow_p,
+)
 
 
 def _custom(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call_jaxpr, **_) -> list:
@@ -87,20 +101,238 @@ def _fwd_with_sites(fun: Any, fwd: Any, bwd: Any) -> tuple:
     return fun, _jax.wrapped_like(rule, fwd), bwd
 
 
-def _make_custom_bind(with_sites: Callable[..., tuple]) -> Callable:
+def _make_custom_bind(with_sites: Callable[..., tuple],
+                      rule_sites: Callable[..., list | None]) -> Callable:
     def make(default: Callable) -> Callable:
         def bind_with_trace(trace, args, avals, params):
-            if (active_tags() and _jax.differentiation_kind(trace) is not None
-                    and any(_jax.has_tangent(trace, x) for x in args)):
+            if not active_tags():
+                return default(trace, args, avals, params)
+            if _jax.differentiation_kind(trace) is None:
+                with _jax.current_trace(trace):
+                    outs = rule_sites(args, avals, params)
+                if outs is not None:
+                    return outs
+            elif any(_jax.has_tangent(trace, x) for x in args):
                 params = _jax.replace_subfuns(params, with_sites)
             return default(trace, args, avals, params)
         return bind_with_trace
     return make
 
 
+# --- sites of a rule JAX runs after the harvest ----------------------------------
+#
+# A custom function traced by a harvest keeps its call in the harvested
+# program; JAX runs the user's rule only when it differentiates that program,
+# after the harvest has returned. Where the rule sows names of a harvested tag
+# that the function does not, the call is replaced by one of a custom
+# function with the same rule and one more output per such site: the rule's
+# value of the site where JAX runs the rule, zeros where it does not. Those
+# outputs are sown right after the call, so they are ordinary sites of the
+# harvested program (keys, slices, compute) whatever transformation comes
+# later; the rule's own sows are consumed where it runs.
+
+@attrs.frozen
+class _RuleSite:
+    key: RawKey
+    mode: str
+    tree: Any
+    avals: tuple  # per leaf; append: stacked, one row per occurrence
+
+
+@attrs.frozen
+class _Rule:
+    """A custom function's rule traced at a call's types, and the sites of
+    `tag` it sows that the function does not."""
+
+    tag: Any
+    jaxpr: _jax.ClosedJaxpr
+    sites: tuple  # of _RuleSite, in program order
+
+    def run(self, xs: Sequence[Any]) -> tuple[list, list]:
+        """The rule's outputs at `xs` and its sites' leaves (its sows of the
+        tag consumed)."""
+        keys = {s.key for s in self.sites}
+        run = Run(Harvest(self.tag), keys.__contains__)
+        # (the rules JAX runs inside it, of the custom calls it makes, sow too)
+        with _in_rule(), consuming(self.tag):
+            outs = run.eval(self.jaxpr.jaxpr, self.jaxpr.consts, list(xs))
+        return outs, [x for s in self.sites for x in run.records[s.key].leaves()]
+
+
+class _RuleDepth(threading.local):
+    depth = 0  # how many rules this thread is tracing or running (`_in_rule`)
+
+
+_RULE = _RuleDepth()
+
+
+@contextlib.contextmanager
+def _in_rule() -> Iterator[None]:
+    """Custom calls bound inside a rule (most call the function) are bound
+    as they are: the rule's sites are the outer call's business."""
+    before = _RULE.depth
+    _RULE.depth = before + 1
+    try:
+        yield
+    finally:
+        _RULE.depth = before
+
+
+# (ids of the function and rule, avals, tags, scopes) -> (function, rule): no sites
+_NO_RULE_SITES: dict = {}
+
+
+def _rule_of(fun: Any, rule: Any, avals: Sequence[Any], n: int,
+             call: Callable | None = None) -> _Rule | None:
+    """`rule` (JAX's wrapped function, called by `call`) traced at `avals`
+    with the sites of the first harvested tag it sows apart from `fun` (whose
+    arguments are the first `n`); None if there are none, or if the rule
+    closes over values of a trace (it must run after that trace ends)."""
+    fns = (getattr(fun, "f", None), getattr(rule, "f", None))
+    cache = (*map(id, fns), tuple(avals), active_tags(), current_scopes())
+    hit = _NO_RULE_SITES.get(cache)
+    if hit is not None and hit == fns:
+        return None
+    found = _find_rule_sites(fun, rule, avals, n, call)
+    if found is None:
+        if len(_NO_RULE_SITES) > 4096:
+            _NO_RULE_SITES.clear()
+        _NO_RULE_SITES[cache] = fns
+    return found
+
+
+def _find_rule_sites(fun: Any, rule: Any, avals: Sequence[Any], n: int,
+                     call: Callable | None) -> _Rule | None:
+    try:
+        with _in_rule():
+            jaxpr, consts = _jax.trace_wrapped_avals(rule, avals, call)
+    except Exception:  # noqa: BLE001  (a rule may refuse to run: eqx.nondifferentiable)
+        return None
+    if _jax.any_tracer(consts):
+        return None
+    primal = None
+    for tag in sorted(active_tags(), key=repr):
+        names = {k[2] for k in count_occurrences(jaxpr, Harvest(tag))}
+        if not names:
+            continue
+        if primal is None:
+            primal, _ = _jax.trace_wrapped_avals(fun, avals[:n])
+        own = {k[2] for k in count_occurrences(primal, Harvest(tag))}
+        if names - own:
+            found = _Rule(tag, _jax.ClosedJaxpr(jaxpr, consts), ())
+            return attrs.evolve(found, sites=_shapes(found, avals, own))
+    return None
+
+
+def _shapes(rule: _Rule, avals: Sequence[Any], own: set) -> tuple:
+    """The sites of `rule.tag` the rule sows at `avals` but the function does not."""
+    found: list = []
+
+    def probe(*xs):
+        run = Run(Harvest(rule.tag), lambda k: k[2] not in own)
+        run.eval(rule.jaxpr.jaxpr, rule.jaxpr.consts, list(xs))
+        found.extend(_RuleSite(k, r.mode, r.tree, tuple(jax.typeof(x) for x in r.leaves()))
+                     for k, r in run.records.items())
+        return []
+    with _in_rule():
+        _jax.trace_flat(probe, avals)
+    return tuple(found)
+
+
+def _primal(fun: Any, avals: Sequence[Any]) -> _jax.ClosedJaxpr:
+    """The function traced as JAX would, filling the output tree it stores
+    (the caller reads it after the bind)."""
+    return _jax.ClosedJaxpr(*_jax.trace_flat(lambda *a: list(fun.call_wrapped(*a)), avals))
+
+
+def _sow_rule_sites(rule: _Rule, leaves: Sequence[Any]) -> None:
+    """Sows the rule's sites, from the extra outputs of the call."""
+    it = iter(leaves)
+    for s in rule.sites:
+        vals = [next(it) for _ in s.avals]
+        rows = ([[v[i] for v in vals] for i in range(s.avals[0].shape[0])]
+                if s.mode == "append" else [vals])
+        for row in rows:
+            sow_p.bind(*row, tag=rule.tag, name=s.key[2], mode=s.mode, scopes=s.key[1],
+                       path=s.key[0], tree=s.tree, effect=True, recompute=False)
+
+
+def _jvp_rule_sites(args: Sequence[Any], avals: Sequence[Any], params: dict) -> list | None:
+    """A `custom_jvp_call` bind under a harvest: its rule's sites (above)."""
+    subfuns = params.get("subfuns")
+    if subfuns is None or _RULE.depth:
+        return None
+    fun, jvp = subfuns
+    rule = _rule_of(fun, jvp, [*avals, *(a.to_tangent_aval() for a in avals)], len(avals))
+    if rule is None:
+        return None
+    primal = _primal(fun, avals)
+    n_out = len(primal.jaxpr.outvars)
+    site_avals = [a for s in rule.sites for a in s.avals]
+
+    def call(*xs):
+        outs = _jax.eval_jaxpr(primal.jaxpr, primal.consts, *xs)
+        return [*outs, *(_jax.zeros_like_aval(a) for a in site_avals)]
+
+    def call_jvp(ps, ts):
+        outs, leaves = rule.run([*ps, *ts])
+        zeros = [_jax.zeros_like_aval(a.to_tangent_aval()) for a in site_avals]
+        return [*outs[:n_out], *leaves], [*map(_dense, outs[n_out:]), *zeros]
+
+    g = jax.custom_jvp(call)
+    g.defjvp(call_jvp)
+    outs = g(*args)
+    _sow_rule_sites(rule, outs[n_out:])
+    return outs[:n_out]
+
+
+def _vjp_rule_sites(args: Sequence[Any], avals: Sequence[Any], params: dict) -> list | None:
+    """A `custom_vjp_call` bind under a harvest: the sites of its forward
+    rule, as for a `custom_jvp` rule. (The backward rule runs when the
+    cotangents are known, after any harvest of the forward pass returned.)"""
+    subfuns = params.get("subfuns")
+    if subfuns is None or _RULE.depth:
+        return None
+    fun, fwd, bwd = subfuns
+    def paired(*xs):  # JAX's forward rule takes (value, perturbed) pairs
+        return fwd.call_wrapped(*(v for x in xs for v in (x, True)))
+
+    rule = _rule_of(fun, fwd, avals, len(avals), paired)
+    if rule is None:
+        return None
+    primal = _jax.ClosedJaxpr(*_jax.trace_wrapped_avals(fun, avals))
+    n_out = len(primal.jaxpr.outvars)
+    site_avals = [a for s in rule.sites for a in s.avals]
+    # traced as JAX would, filling the output and residual trees the caller
+    # and the backward rule read
+    _jax.trace_flat(lambda *xs: list(paired(*xs)), avals)
+    _, _, forwards = params["out_trees"]()
+
+    def call(*xs):
+        outs = _jax.eval_jaxpr(primal.jaxpr, primal.consts, *xs)
+        return [*outs, *(_jax.zeros_like_aval(a) for a in site_avals)]
+
+    def call_fwd(*xs):
+        outs, leaves = rule.run(xs)
+        pruned = iter(outs[:len(outs) - n_out])
+        res = [next(pruned) if i is None else xs[i] for i in forwards]
+        return [*outs[len(outs) - n_out:], *leaves], res
+
+    def call_bwd(res, cts):
+        return tuple(bwd.call_wrapped(*res, *map(_dense, cts[:n_out])))
+
+    g = jax.custom_vjp(call)
+    g.defvjp(call_fwd, call_bwd)
+    outs = g(*args)
+    _sow_rule_sites(rule, outs[n_out:])
+    return outs[:n_out]
+
+
 if _jax.CUSTOM_CALL_HOOKS:  # (jax 0.8: these sites stay unreaped)
-    _jax.register_bind_hook(_jax.custom_jvp_call_p, _make_custom_bind(_jvp_with_sites))
-    _jax.register_bind_hook(_jax.custom_vjp_call_p, _make_custom_bind(_fwd_with_sites))
+    _jax.register_bind_hook(_jax.custom_jvp_call_p,
+                            _make_custom_bind(_jvp_with_sites, _jvp_rule_sites))
+    _jax.register_bind_hook(_jax.custom_vjp_call_p,
+                            _make_custom_bind(_fwd_with_sites, _vjp_rule_sites))
 
 
 def _custom_vmap(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call, **_) -> list:
