@@ -181,6 +181,68 @@ def test_cotangent_planted_at_a_name_the_taken_branch_does_not_sow_goes_before_t
     close(lh.reap(bwd, tag="t")(1.)["s"], jax.grad(f, argnums=1)(x, 0.))
 
 
+def _cond_sows_cos(o):
+    return lax.cond(o > 100., lambda o: sow(jnp.cos(o), "s"), jnp.cos, o)
+
+
+# `e` is added at the occurrence whose value is reaped.
+def _owed_into_jit(x, e=0.):
+    return jax.jit(_cond_sows_cos)(sow(x * 3., "s") + e)
+
+
+def _owed_into_checkpoint(x, e=0.):
+    return jax.checkpoint(_cond_sows_cos)(sow(x * 3., "s") + e)
+
+
+def _owed_out_of_jit(x, e=0.):
+    return _cond_sows_cos(jax.jit(lambda x: sow(x * 3., "s") + e)(x))
+
+
+def _owed_to_another_cond(x, e=0.):
+    o = lax.cond(x > 0., lambda x: sow(2 * x, "s") + e, lambda x: x, x)
+    return lax.cond(o > 5., lambda o: sow(jnp.cos(o), "s"), jnp.sin, o)
+
+
+@pytest.mark.parametrize("f, x, reaped", [
+    (_owed_into_jit, 0.4, lambda x: x * 3.),
+    (_owed_into_checkpoint, 0.4, lambda x: x * 3.),
+    (_owed_out_of_jit, 0.4, lambda x: x * 3.),
+    (_owed_to_another_cond, 1.0, lambda x: 2 * x),
+], ids=["into-jit", "into-checkpoint", "out-of-jit", "another-cond"])
+def test_cotangent_at_a_name_the_taken_branch_does_not_sow_crosses_jit_checkpoint_and_cond(
+        f, x, reaped):
+    # The cond's occurrence (the last) is not taken; the reaped occurrence is
+    # across a jit or checkpoint boundary, or in another cond's taken branch.
+    # Was: a planted cotangent was lost at the boundary, and the reaped one
+    # was zeros when the cond was inside a jit or checkpoint.
+    bwd = _check_plant_goes_to(f, x, reaped)
+    close(lh.reap(bwd, tag="t")(1.)["s"], jax.grad(f, argnums=1)(x, 0.))
+
+
+def _scan_of_wrapped_cond(wrap, reverse):
+    """A scan whose body, under `wrap`, sows "s" only where xi > 0.5; `e` is
+    added at iteration 1's occurrence (the highest index that sows it)."""
+    def f(xs, e=0.):
+        def body(c, inp):
+            xi, i = inp
+            v = lax.cond(xi > 0.5, lambda o: sow(jnp.cos(o), "s") + jnp.where(i == 1, e, 0.),
+                         jnp.sin, xi)
+            return 0.5 * c + v, None
+        return lax.scan(wrap(body), 0.1, (xs, jnp.arange(3)), reverse=reverse)[0]
+    return f
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("wrap", [jax.jit, jax.checkpoint], ids=["jit", "checkpoint"])
+def test_cotangent_at_a_name_a_wrapped_scan_body_may_not_sow_goes_to_the_last_iteration_that_did(
+        wrap, reverse):
+    # Was: with the body under jit or checkpoint, the plant went to the
+    # highest iteration (which does not sow), and was lost.
+    f, xs = _scan_of_wrapped_cond(wrap, reverse), jnp.array([0.9, 0.7, 0.2])
+    bwd = _check_plant_goes_to(f, xs, lambda xs: jnp.cos(xs[1]))
+    close(lh.reap(bwd, tag="t")(1.)["s"], jax.grad(f, argnums=1)(xs, 0.))
+
+
 def _scan_cond_sows(xs, reverse=False, before=False):
     """A scan whose body sows "s" only in one branch of a cond (xi > 0.5);
     with `before`, the body sows it first, then the cond."""

@@ -14,8 +14,10 @@ from lazyharvest._interpreter.run import EVAL_RULES, Run, bind
 
 def _jit(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, in_shardings,
          in_layouts, donated_invars, out_shardings, out_layouts, **_) -> list:
-    body, inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts, invar_avals(jaxpr.jaxpr))
-    nc, ns = len(body.consts), body.n_site_leaves
+    body, inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts, invar_avals(jaxpr.jaxpr),
+                             carry_pending=True)
+    nc = len(body.consts)
+    ns = body.n_site_leaves + len(body.pending or ()) + len(body.flagged)
     params = dict(
         eqn.params, jaxpr=_jax.ClosedJaxpr(body.jaxpr, ()),
         in_shardings=(_jax.UNSPECIFIED,) * nc + tuple(in_shardings),
@@ -44,7 +46,7 @@ EVAL_RULES[_jax.call_p] = _call
 
 
 def _remat(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, **_) -> list:
-    body, inner = trace_body(run, jaxpr, (), invar_avals(jaxpr))
+    body, inner = trace_body(run, jaxpr, (), invar_avals(jaxpr), carry_pending=True)
     outs = bind(eqn, [*body.consts, *invals], dict(eqn.params, jaxpr=body.jaxpr))
     return finish(run, body, outs, inner)
 

@@ -22,6 +22,8 @@ from lazyharvest._interpreter.plumbing import (
     merge,
     per_site,
     split_list,
+    take_flags,
+    take_pending,
     trace_body,
 )
 from lazyharvest._interpreter.run import EVAL_RULES, Run, Site, bind, is_sown, runs_backward
@@ -85,19 +87,25 @@ def union_sites(h: Harvest, sites: list[list[Site]]) -> list[Site]:
 
 
 def _branch(b: Body, i: int, const_sizes: list[int], order: list[Site],
-            passed: list[Site], flagged: list[Site], in_avals: list) -> _jax.ClosedJaxpr:
+            passed: list[Site], flagged: list[Site], pending: list,
+            in_avals: list) -> _jax.ClosedJaxpr:
     """Branch `i` taking every branch's consts, then the earlier values of
-    `passed`; it outputs its sites in `order`, an earlier value where it does
-    not sow one, then per site in `flagged` whether it sows it."""
+    `passed`; it outputs its own outputs, whether each plant in `pending` is
+    still owed after it, its sites in `order` (an earlier value where it does
+    not sow one), then per site in `flagged` where it sows it."""
     def fn(*args):
         *chunks, through, ops = split_list(
             args, [*const_sizes, sum(len(s.avals) for s in passed)])
         outs, leaves = b.split_outs(_jax.eval_jaxpr(b.jaxpr, (), *chunks[i], *ops))
+        outs, where = take_flags(b, outs)
+        n = len(outs) - len(b.pending or ())
+        owed = dict(zip(b.pending or (), outs[n:]))
+        outs = [*outs[:n], *(owed.get(k, np.bool_(False)) for k in pending)]
         per = dict(zip([s.key for s in passed], per_site(passed, through)))
         per.update(zip([s.key for s in b.sites], per_site(b.sites, leaves)))
         own = {s.key for s in b.sites}
         return [*outs, *[x for s in order for x in per[s.key]],
-                *[np.bool_(s.key in own) for s in flagged]]
+                *[where.get(s.key, np.bool_(s.key in own)) for s in flagged]]
     jaxpr, consts = _jax.trace_flat(fn, in_avals)
     assert not consts
     return _jax.ClosedJaxpr(jaxpr, ())
@@ -106,7 +114,8 @@ def _branch(b: Body, i: int, const_sizes: list[int], order: list[Site],
 def _cond(run: Run, eqn: _jax.JaxprEqn, invals: list, *, branches, **_) -> list:
     index, ops = invals[0], invals[1:]
     avals = invar_avals(branches[0].jaxpr)
-    traced = [trace_body(run, b.jaxpr, b.consts, avals) for b in branches]
+    traced = [trace_body(run, b.jaxpr, b.consts, avals, carry_pending=True)
+              for b in branches]
     bodies = [b for b, _ in traced]
     order = union_sites(run.harvest, [b.sites for b in bodies])
     passed = [s for s in order
@@ -115,17 +124,23 @@ def _cond(run: Run, eqn: _jax.JaxprEqn, invals: list, *, branches, **_) -> list:
     # A clobber site evaluated backward (a cotangent) that some branch does not
     # sow: where the taken branch does not, the cotangent is an earlier
     # occurrence's (one evaluated after this cond), so the record says where.
-    flagged = [s for s in passed if s.mode == "clobber" and runs_backward(s.key)
-               and not is_sown(s.key)]
+    # (Or that a branch sows only where a cond or jit inside it does.)
+    flagged = [s for s in order if s.mode == "clobber" and runs_backward(s.key)
+               and not is_sown(s.key)
+               and (s in passed or any(s.key in b.flagged for b in bodies))]
     all_consts = [c for b in bodies for c in b.consts]
     sizes = [len(b.consts) for b in bodies]
     in_avals = [jax.typeof(c) for c in [*all_consts, *through]] + avals
-    new_branches = tuple(_branch(b, i, sizes, order, passed, flagged, in_avals)
+    # plants owed to the next occurrence evaluated, before or after the cond
+    pending = list(dict.fromkeys(k for b in bodies for k in b.pending or ()))
+    new_branches = tuple(_branch(b, i, sizes, order, passed, flagged, pending, in_avals)
                          for i, b in enumerate(bodies))
-    _owe_plants(run, index, branches)
     outs = bind(eqn, [index, *all_consts, *through, *ops],
                 dict(eqn.params, branches=new_branches))
-    n_out = bodies[0].n_out
+    n_out = (bodies[0].n_out - len(bodies[0].pending or ()) - len(bodies[0].flagged)
+             + len(pending))
+    own = take_pending(run, pending, list(outs[:n_out]))
+    _owe_plants(run, index, branches)
     for _body, branch_run in traced:
         run.begin_passes(branch_run.primal_sown)
     n_flags = len(flagged)
@@ -136,7 +151,7 @@ def _cond(run: Run, eqn: _jax.JaxprEqn, invals: list, *, branches, **_) -> list:
     for _body, branch_run in traced:
         for k, n in branch_run.cursor.items():
             run.cursor[k] = max(run.cursor.get(k, 0), n)
-    return list(outs[:n_out])
+    return own
 
 
 def _owe_plants(run: Run, index, branches) -> None:

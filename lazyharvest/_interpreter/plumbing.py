@@ -151,6 +151,13 @@ class Body:
     consts: list
     sites: list  # [Site]
     n_out: int
+    # With `trace_body(carry_pending=True)`: the keys of `Run.pending` after
+    # the body, whose flags come last among its own outputs but `flagged`;
+    # None otherwise.
+    pending: tuple | None = None
+    # Then the keys of its sites whose record holds only where a flag is true
+    # (`Record.flag`), whose flags are its last own outputs.
+    flagged: tuple = ()
 
     @property
     def n_site_leaves(self) -> int:
@@ -163,7 +170,8 @@ class Body:
 
 def trace_body(run: Run, jaxpr: _jax.Jaxpr, consts: Sequence[Any],
                in_avals: Sequence[Any], make_run: Callable[[list], Run] | None = None,
-               n_extra: int = 0, seeds: Sequence[Site] = ()) -> tuple[Body, Run]:
+               n_extra: int = 0, seeds: Sequence[Site] = (),
+               carry_pending: bool = False) -> tuple[Body, Run]:
     """Re-traces `jaxpr` with a nested run; sites come out as extra outputs.
 
     With `make_run`, the traced function takes `n_extra` more inputs after
@@ -174,6 +182,10 @@ def trace_body(run: Run, jaxpr: _jax.Jaxpr, consts: Sequence[Any],
     With `seeds`, it takes one more input per seed leaf, last: the seeds'
     values before the body (a loop's carry), which the body's sites output
     where the body does not sow them. The seeds come first among its sites.
+    With `carry_pending`, the body starts from `run.pending` (a cotangent
+    plant owed to the next occurrence evaluated: in the body, or after it)
+    and its own outputs end with the flags still pending after it
+    (`Body.pending`; `finish` or the rule puts them back into `run`).
     """
     holder: dict = {}
     n_seed = sum(len(s.avals) for s in seeds)
@@ -182,25 +194,51 @@ def trace_body(run: Run, jaxpr: _jax.Jaxpr, consts: Sequence[Any],
     def fn(*args):
         own, extra, seeded = split_list(args, [len(args) - n_extra - n_seed, n_extra])
         inner = make_run(list(extra)) if make_run else run.nested(inherit=True)
+        if carry_pending:
+            inner.pending = dict(run.pending)
         seed(inner, seeds, seeded)
         outs = inner.eval(jaxpr, consts, own)
         owed = inner.still_owed()
+        pending = list(inner.pending.items()) if carry_pending else []
+        flagged = [(k, r.flag) for k, r in inner.records.items()
+                   if carry_pending and r.flag is not None]
         holder["run"] = inner
         holder["sites"] = inner.sites()
-        holder["n_out"] = len(outs) + len(owed)
-        return [*outs, *owed, *inner.site_leaves()]
+        holder["n_out"] = len(outs) + len(owed) + len(pending) + len(flagged)
+        holder["pending"] = tuple(k for k, _ in pending) if carry_pending else None
+        holder["flagged"] = tuple(k for k, _ in flagged)
+        return [*outs, *owed, *(f for _, f in pending), *(f for _, f in flagged),
+                *inner.site_leaves()]
 
     new, new_consts = _jax.trace_flat(fn, in_avals)
     return Body(_jax.consts_as_invars(new), new_consts, holder["sites"],
-                holder["n_out"]), holder["run"]
+                holder["n_out"], holder["pending"], holder["flagged"]), holder["run"]
+
+
+def take_pending(run: Run, keys: Sequence[RawKey], own: list) -> list:
+    """A body traced with `carry_pending`: its flags (the last of its own
+    outputs) become `run.pending`; returns the outputs before them."""
+    n = len(own) - len(keys)
+    run.pending = dict(zip(keys, own[n:]))
+    return own[:n]
+
+
+def take_flags(body: Body, own: list) -> tuple[list, dict]:
+    """A body traced with `carry_pending`: (its own outputs before its flags,
+    per key of `body.flagged` its record's flag, for `merge`)."""
+    n = len(own) - len(body.flagged)
+    return own[:n], dict(zip(body.flagged, own[n:]))
 
 
 def finish(run: Run, body: Body, outs: list, inner: Run | None = None) -> list:
     """Records a body's site outputs and returns its own outputs."""
     own, leaves = body.split_outs(outs)
+    own, flags = take_flags(body, own)
+    if body.pending is not None:
+        own = take_pending(run, body.pending, own)
     if inner is not None:
         run.begin_passes(inner.primal_sown)
-    merge(run, body.sites, leaves)
+    merge(run, body.sites, leaves, flags=flags)
     if inner is not None:
         run.cursor.update(inner.cursor)
     return own

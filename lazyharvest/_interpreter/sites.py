@@ -134,8 +134,12 @@ def may_owe(jaxpr: _jax.Jaxpr, harvest: Harvest, key: RawKey) -> bool:
             continue
         p = e.params
         if e.primitive is _jax.cond_p:
-            return len(sowing_branches(p["branches"], harvest, key)) < len(p["branches"])
-        return e.primitive is _jax.scan_p and may_owe(p["jaxpr"].jaxpr, harvest, key)
+            return (len(sowing_branches(p["branches"], harvest, key)) < len(p["branches"])
+                    or any(may_owe(b.jaxpr, harvest, key) for b in p["branches"]))
+        if e.primitive in (_jax.scan_p, _jax.jit_p, _jax.remat_p):  # the body's first
+            body = p["jaxpr"]
+            return may_owe(getattr(body, "jaxpr", body), harvest, key)
+        return False
     return False
 
 
