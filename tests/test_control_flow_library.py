@@ -310,6 +310,30 @@ def test_cotangent_planted_at_a_name_no_later_iteration_sows_goes_to_the_last_it
     close(lh.reap(f, tag="t")(x)["s"], reaped(x))
 
 
+@pytest.mark.parametrize("in_cond", [False, True], ids=["body", "branches"])
+def test_filtered_site_passes_through_a_plant_owed_in_a_scan_once(in_cond):
+    # The VJP of a reverse scan runs forward: a first pass finds the highest
+    # iteration that sows "s". Was: that pass sowed the filtered site "u"
+    # again, so an outer harvest stacked 6 rows for 3 iterations.
+    def f(xs):
+        def body(c, xi):
+            u = lambda o: sow(o, "u", "append")
+            if not in_cond:
+                xi = u(xi)
+            v = lax.cond(xi > 0.5, lambda o: sow(jnp.cos(u(o) if in_cond else o), "s"),
+                         lambda o: jnp.sin(u(o) if in_cond else o), xi)
+            return 0.5 * c + v, None
+        return lax.scan(body, 0.1, xs, reverse=True)[0]
+
+    xs = jnp.array([0.9, 0.7, 0.2])
+    _, bwd = jax.vjp(f, xs)
+    planted = lambda ct: lh.plant(bwd, tag="t", blocklist=["u"])({"s": 2.}, ct)
+    # plain JAX: "u"'s cotangent with 2. added at the reaped occurrence of "s"
+    # (iteration 1, the highest that sows it), that is d f / d xs with it
+    want = jax.vjp(lambda xs: (f(xs), jnp.cos(xs[1])), xs)[1]((1.0, 2.0))[0]
+    close(lh.reap(planted, tag="t")(1.)["u"], want)
+
+
 @pytest.mark.parametrize("x", [2., -1.])
 def test_cond_plant_of_a_name_one_branch_sows(x):
     planted = lh.plant(two_names, tag="t")({"b": 5.}, x)

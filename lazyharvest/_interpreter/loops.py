@@ -166,7 +166,7 @@ class _ScanPlants:
         if finding:  # a side computation: it sows nothing
             inner = run.nested(plants, {}, lambda k: k in self.owed, pass_through=False,
                                track_sown=True, replay_plants=replay_plants)
-            inner.keep_other_tags = False
+            inner.keep_other_tags, inner.side_pass = False, True
             return inner
         owed = dict(zip(self.owed, chunks[n]))
         for k, leaves in zip(self.owed, chunks[n + 1:]):

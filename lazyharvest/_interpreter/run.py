@@ -186,6 +186,9 @@ class Run:
         # Such plants given to a loop body with a traced bool each, true
         # where no iteration evaluated before took the plant (`still_owed`).
         self.owed: dict[RawKey, Any] = {}
+        # A pass that only learns something about the program (which scan
+        # iterations sow a site): it sows nothing, filtered sites included.
+        self.side_pass = False
 
     def nested(self, plants: dict[RawKey, Plant] | None = None,
                cursor: dict[RawKey, int] | None = None,
@@ -203,16 +206,18 @@ class Run:
         stack (empty unless `replays` is given).
         """
         same = cursor is None
-        return Run(self.harvest, self.want if want is None else want,
-                   self.plants if plants is None else plants,
-                   self.cursor if cursor is None else cursor,
-                   self.keep_other_tags, self.abstract,
-                   self.pass_through if pass_through is None else pass_through,
-                   self if inherit else None,
-                   self.track_sown if track_sown is None else track_sown,
-                   replays if replays is not None else self.replays if same else {},
-                   replay_plants if replay_plants is not None
-                   else self.replay_plants if same else {}, outputs_needed)
+        new = Run(self.harvest, self.want if want is None else want,
+                  self.plants if plants is None else plants,
+                  self.cursor if cursor is None else cursor,
+                  self.keep_other_tags, self.abstract,
+                  self.pass_through if pass_through is None else pass_through,
+                  self if inherit else None,
+                  self.track_sown if track_sown is None else track_sown,
+                  replays if replays is not None else self.replays if same else {},
+                  replay_plants if replay_plants is not None
+                  else self.replay_plants if same else {}, outputs_needed)
+        new.side_pass = self.side_pass
+        return new
 
     def still_owed(self) -> list:
         """After the body: per key of `owed`, whether its plant is still owed
@@ -352,8 +357,8 @@ class Run:
             # A copy rematerialized by jax.checkpoint: planted like its
             # original, never counted.
             return self.replay(key, params, vals)
-        if not h.selects(params):
-            return sow_p.bind(*vals, **params)
+        if not h.selects(params):  # still a site, for harvests outside this one
+            return vals if self.side_pass else sow_p.bind(*vals, **params)
         self.begin_passes((key,))
         plant = self.plants.get(key)
         if plant is not None:
