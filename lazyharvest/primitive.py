@@ -266,9 +266,10 @@ def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
     if _jax.in_eager_mode() and isinstance(value, jax.Array) and mode in MODES:
         return value  # the common case outside any transformation: nothing to do
     leaves, tree = _checked_leaves(value, tag, name, mode)
-    tags, scopes, dropped = _current()
-    if not leaves or _jax.in_eager_mode() or tag in dropped:
+    # (dropped: in a rule whose sites a harvest took, `consuming`)
+    if not leaves or _jax.in_eager_mode() or tag in _current()[2]:
         return value
+    tags, scopes, _ = _current()
     if tag in tags:
         _SOWN.count = harvested_sows() + 1
     outs = sow_p.bind(*leaves, tag=tag, name=name, mode=mode, scopes=scopes,
