@@ -16,8 +16,8 @@ def _jit(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, in_shardings,
          in_layouts, donated_invars, out_shardings, out_layouts, **_) -> list:
     body, inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts, invar_avals(jaxpr.jaxpr),
                              carry_pending=True)
-    nc = len(body.consts)
-    ns = body.n_site_leaves + len(body.pending or ()) + len(body.flagged)
+    # (the body's extra outputs: flags carried out of it, then its site leaves)
+    nc, ns = len(body.consts), len(body.jaxpr.outvars) - len(out_shardings)
     params = dict(
         eqn.params, jaxpr=_jax.ClosedJaxpr(body.jaxpr, ()),
         in_shardings=(_jax.UNSPECIFIED,) * nc + tuple(in_shardings),

@@ -17,13 +17,12 @@ import numpy as np
 from lazyharvest import _jax
 from lazyharvest._interpreter.plumbing import (
     Body,
+    carried,
     incoming,
     invar_avals,
     merge,
     per_site,
     split_list,
-    take_flags,
-    take_pending,
     trace_body,
 )
 from lazyharvest._interpreter.run import EVAL_RULES, Run, Site, bind, is_sown, runs_backward
@@ -97,10 +96,8 @@ def _branch(b: Body, i: int, const_sizes: list[int], order: list[Site],
         *chunks, through, ops = split_list(
             args, [*const_sizes, sum(len(s.avals) for s in passed)])
         outs, leaves = b.split_outs(_jax.eval_jaxpr(b.jaxpr, (), *chunks[i], *ops))
-        outs, where = take_flags(b, outs)
-        n = len(outs) - len(b.pending or ())
-        owed = dict(zip(b.pending or (), outs[n:]))
-        outs = [*outs[:n], *(owed.get(k, np.bool_(False)) for k in pending)]
+        outs, owed, where = carried(b, outs)
+        outs = [*outs, *(owed.get(k, np.bool_(False)) for k in pending)]
         per = dict(zip([s.key for s in passed], per_site(passed, through)))
         per.update(zip([s.key for s in b.sites], per_site(b.sites, leaves)))
         own = {s.key for s in b.sites}
@@ -137,9 +134,9 @@ def _cond(run: Run, eqn: _jax.JaxprEqn, invals: list, *, branches, **_) -> list:
                          for i, b in enumerate(bodies))
     outs = bind(eqn, [index, *all_consts, *through, *ops],
                 dict(eqn.params, branches=new_branches))
-    n_out = (bodies[0].n_out - len(bodies[0].pending or ()) - len(bodies[0].flagged)
-             + len(pending))
-    own = take_pending(run, pending, list(outs[:n_out]))
+    n_own = bodies[0].n_own
+    n_out = n_own + len(pending)
+    run.pending = dict(zip(pending, outs[n_own:n_out]))
     _owe_plants(run, index, branches)
     for _body, branch_run in traced:
         run.begin_passes(branch_run.primal_sown)
@@ -151,7 +148,7 @@ def _cond(run: Run, eqn: _jax.JaxprEqn, invals: list, *, branches, **_) -> list:
     for _body, branch_run in traced:
         for k, n in branch_run.cursor.items():
             run.cursor[k] = max(run.cursor.get(k, 0), n)
-    return own
+    return list(outs[:n_own])
 
 
 def _owe_plants(run: Run, index, branches) -> None:

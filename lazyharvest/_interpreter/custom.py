@@ -257,6 +257,20 @@ def _sow_rule_sites(rule: _Rule, leaves: Sequence[Any]) -> None:
                        path=s.key[0], tree=s.tree, effect=True, recompute=False)
 
 
+def _with_zeros(primal: _jax.ClosedJaxpr, rule: _Rule) -> Callable:
+    """The function with zeros for the rule's sites as extra outputs."""
+    def call(*xs):
+        outs = _jax.eval_jaxpr(primal.jaxpr, primal.consts, *xs)
+        return [*outs, *(_jax.zeros_like_aval(a) for s in rule.sites for a in s.avals)]
+    return call
+
+
+def _call_and_sow(g: Callable, args: Sequence[Any], rule: _Rule, n_out: int) -> list:
+    outs = g(*args)
+    _sow_rule_sites(rule, outs[n_out:])
+    return outs[:n_out]
+
+
 def _jvp_rule_sites(args: Sequence[Any], avals: Sequence[Any], params: dict) -> list | None:
     """A `custom_jvp_call` bind under a harvest: its rule's sites (above)."""
     subfuns = params.get("subfuns")
@@ -268,22 +282,15 @@ def _jvp_rule_sites(args: Sequence[Any], avals: Sequence[Any], params: dict) -> 
         return None
     primal = _primal(fun, avals)
     n_out = len(primal.jaxpr.outvars)
-    site_avals = [a for s in rule.sites for a in s.avals]
-
-    def call(*xs):
-        outs = _jax.eval_jaxpr(primal.jaxpr, primal.consts, *xs)
-        return [*outs, *(_jax.zeros_like_aval(a) for a in site_avals)]
 
     def call_jvp(ps, ts):
         outs, leaves = rule.run([*ps, *ts])
-        zeros = [_jax.zeros_like_aval(a.to_tangent_aval()) for a in site_avals]
+        zeros = [_jax.zeros_like_aval(jax.typeof(x).to_tangent_aval()) for x in leaves]
         return [*outs[:n_out], *leaves], [*map(_dense, outs[n_out:]), *zeros]
 
-    g = jax.custom_jvp(call)
+    g = jax.custom_jvp(_with_zeros(primal, rule))
     g.defjvp(call_jvp)
-    outs = g(*args)
-    _sow_rule_sites(rule, outs[n_out:])
-    return outs[:n_out]
+    return _call_and_sow(g, args, rule, n_out)
 
 
 def _vjp_rule_sites(args: Sequence[Any], avals: Sequence[Any], params: dict) -> list | None:
@@ -294,6 +301,7 @@ def _vjp_rule_sites(args: Sequence[Any], avals: Sequence[Any], params: dict) -> 
     if subfuns is None or _RULE.depth:
         return None
     fun, fwd, bwd = subfuns
+
     def paired(*xs):  # JAX's forward rule takes (value, perturbed) pairs
         return fwd.call_wrapped(*(v for x in xs for v in (x, True)))
 
@@ -302,15 +310,11 @@ def _vjp_rule_sites(args: Sequence[Any], avals: Sequence[Any], params: dict) -> 
         return None
     primal = _jax.ClosedJaxpr(*_jax.trace_wrapped_avals(fun, avals))
     n_out = len(primal.jaxpr.outvars)
-    site_avals = [a for s in rule.sites for a in s.avals]
-    # traced as JAX would, filling the output and residual trees the caller
-    # and the backward rule read
+    # traced again as JAX would (the first trace left JAX's stores empty, for
+    # a rule without sites): this fills the output and residual trees the
+    # caller and the backward rule read
     _jax.trace_flat(lambda *xs: list(paired(*xs)), avals)
     _, _, forwards = params["out_trees"]()
-
-    def call(*xs):
-        outs = _jax.eval_jaxpr(primal.jaxpr, primal.consts, *xs)
-        return [*outs, *(_jax.zeros_like_aval(a) for a in site_avals)]
 
     def call_fwd(*xs):
         outs, leaves = rule.run(xs)
@@ -321,11 +325,9 @@ def _vjp_rule_sites(args: Sequence[Any], avals: Sequence[Any], params: dict) -> 
     def call_bwd(res, cts):
         return tuple(bwd.call_wrapped(*res, *map(_dense, cts[:n_out])))
 
-    g = jax.custom_vjp(call)
+    g = jax.custom_vjp(_with_zeros(primal, rule))
     g.defvjp(call_fwd, call_bwd)
-    outs = g(*args)
-    _sow_rule_sites(rule, outs[n_out:])
-    return outs[:n_out]
+    return _call_and_sow(g, args, rule, n_out)
 
 
 if _jax.CUSTOM_CALL_HOOKS:  # (jax 0.8: these sites stay unreaped)

@@ -160,6 +160,11 @@ class Body:
     flagged: tuple = ()
 
     @property
+    def n_own(self) -> int:
+        """Its own outputs, before the flags `carry_pending` adds (`carried`)."""
+        return self.n_out - len(self.pending or ()) - len(self.flagged)
+
+    @property
     def n_site_leaves(self) -> int:
         return sum(len(s.avals) for s in self.sites)
 
@@ -215,27 +220,20 @@ def trace_body(run: Run, jaxpr: _jax.Jaxpr, consts: Sequence[Any],
                 holder["n_out"], holder["pending"], holder["flagged"]), holder["run"]
 
 
-def take_pending(run: Run, keys: Sequence[RawKey], own: list) -> list:
-    """A body traced with `carry_pending`: its flags (the last of its own
-    outputs) become `run.pending`; returns the outputs before them."""
-    n = len(own) - len(keys)
-    run.pending = dict(zip(keys, own[n:]))
-    return own[:n]
-
-
-def take_flags(body: Body, own: list) -> tuple[list, dict]:
-    """A body traced with `carry_pending`: (its own outputs before its flags,
-    per key of `body.flagged` its record's flag, for `merge`)."""
-    n = len(own) - len(body.flagged)
-    return own[:n], dict(zip(body.flagged, own[n:]))
+def carried(body: Body, own: list) -> tuple[list, dict, dict]:
+    """A body traced with `carry_pending`: (its own outputs before the flags,
+    the plants still pending after it by key, its records' flags by key)."""
+    keys, n = body.pending or (), body.n_own
+    return (own[:n], dict(zip(keys, own[n:n + len(keys)])),
+            dict(zip(body.flagged, own[n + len(keys):])))
 
 
 def finish(run: Run, body: Body, outs: list, inner: Run | None = None) -> list:
     """Records a body's site outputs and returns its own outputs."""
     own, leaves = body.split_outs(outs)
-    own, flags = take_flags(body, own)
+    own, pending, flags = carried(body, own)
     if body.pending is not None:
-        own = take_pending(run, body.pending, own)
+        run.pending = pending
     if inner is not None:
         run.begin_passes(inner.primal_sown)
     merge(run, body.sites, leaves, flags=flags)
