@@ -177,6 +177,20 @@ def replace_eqn_params(eqn: JaxprEqn, **params: Any) -> JaxprEqn:
                          eqn.source_info, eqn.ctx)
 
 
+def identity_eqn(eqn: JaxprEqn) -> JaxprEqn:
+    """An eqn with `eqn`'s inputs and outputs that passes its inputs on: a
+    `closed_call` of a jaxpr with no eqns."""
+    body = _identity_jaxpr(tuple(v.aval for v in eqn.invars))
+    return new_jaxpr_eqn(eqn.invars, eqn.outvars, closed_call_p, {"call_jaxpr": body},
+                         set(), eqn.source_info, eqn.ctx)
+
+
+@functools.lru_cache(maxsize=256)
+def _identity_jaxpr(avals: tuple) -> ClosedJaxpr:
+    jaxpr, consts = trace_flat(lambda *a: list(a), list(avals))
+    return ClosedJaxpr(jaxpr, consts)
+
+
 def in_eager_mode() -> bool:
     """True when no transformation or tracing is active."""
     return isinstance(_core.trace_ctx.trace, _core.EvalTrace)
@@ -799,6 +813,26 @@ def partial_eval_kept(trace: Any, prim: Primitive, tracers: Sequence[Any],
     if isinstance(recipe, _pe.JaxprEqnRecipe):
         trace.effect_handles.append(_pe.EffectHandle(list(recipe.in_tracers), recipe))
     return outs
+
+
+def partial_eval_keeping(previous: Callable, keep: Callable[[dict], bool]) -> Callable:
+    """`previous` (a partial-eval rule of jit, scan or cond), except that the
+    eqn it stages for the unknown part stays in the jaxpr even if no output
+    is used, when `keep(params)` says its body must (the transpose of
+    `jax.checkpoint` partially evaluates the body's jvp, and would drop a
+    loop whose tangent sites nothing uses)."""
+    def rule(trace, *tracers, **params):
+        outs = previous(trace, *tracers, **params)
+        if keep(params):
+            seen: set = set()
+            for out in outs:
+                recipe = getattr(out, "recipe", None)
+                if isinstance(recipe, _pe.JaxprEqnRecipe) and id(recipe) not in seen:
+                    seen.add(id(recipe))
+                    trace.effect_handles.append(
+                        _pe.EffectHandle(list(recipe.in_tracers), recipe))
+        return outs
+    return rule
 
 
 def folds_constants(trace: Any, args: Sequence[Any]) -> bool:

@@ -170,18 +170,20 @@ def _checkpointed(rule):
     """sow's rule for jax.checkpoint's partial evaluation, given `rule`.
 
     jax.checkpoint differentiates its body with jvp, then splits it into a
-    forward part and a (rematerialized) linear part. The zero tangent recorded
-    for a constant site (`_constant_site`) has no unknown input, so it would
-    land in the forward part and show as a tangent under reverse mode, where
-    no cotangent can reach it: it is left out. Constant sites in a
-    checkpointed function get no derivative keys under `jax.linearize`,
-    `jax.vjp` or `jax.grad` (docs/semantics.md).
+    forward part and a (rematerialized) linear part. A tangent site with no
+    unknown input (the zero tangent recorded for a constant site by
+    `_constant_site`, or one in a loop given a zero tangent by
+    `_make_body_bind`) would land in the forward part and show as a tangent
+    under reverse mode, where no cotangent can reach it: it passes its value
+    on without being a site. Constant sites in a checkpointed function get no
+    derivative keys under `jax.linearize`, `jax.vjp` or `jax.grad`
+    (docs/semantics.md).
     """
     def remat_rule(saveable, unks_in, inst_in, eqn):
         path = eqn.params["path"]
         if path and path[-1] == JVP and not any(unks_in):
             n = len(eqn.outvars)
-            return None, None, [False] * n, [False] * n, []
+            return _jax.identity_eqn(eqn), None, [False] * n, [False] * n, []
         return rule(saveable, unks_in, inst_in, eqn)
     return remat_rule
 
@@ -330,3 +332,5 @@ for _prim in (_jax.jit_p, _jax.scan_p, _jax.cond_p):
     _jax.wrap_dce_rule(_prim, _holds_tangent_sites, _holds_constant_sites)
     _jax.wrap_transpose(_prim, _transposes_sites)
     _jax.register_bind_hook(_prim, _make_body_bind)
+    _jax.register_partial_eval_rule(
+        _prim, lambda previous: _jax.partial_eval_keeping(previous, _bodies_hold_tangent_sites))

@@ -459,6 +459,67 @@ def test_regression_dead_cond_site_in_checkpoint_after_scan():
     np.testing.assert_array_equal(d["vjp"]["o"], jnp.zeros(3))
 
 
+def _checkpointed_dead_scan(x):
+    # A checkpointed block: a scan whose output nothing uses sows "s" after
+    # the block sowed it; the block returns cos(x).
+    v = lh.sow(x, tag="t", name="s", mode="clobber")
+    v = lax.scan(lambda c, _: (lh.sow(jnp.sin(c), tag="t", name="s", mode="clobber"), None),
+                 v, None, length=1)[0]
+    return jnp.cos(x)
+
+
+def test_regression_dead_scan_in_checkpoint_takes_its_planted_cotangent():
+    # The transpose of jax.checkpoint (partial evaluation of the body's jvp)
+    # dropped the scan, its tangent site with it: a cotangent planted into
+    # the backward function at "s" went to the occurrence before the scan
+    # (the input) instead of the scan's (sin of the input).
+    f = lambda x: jnp.sum(jax.checkpoint(_checkpointed_dead_scan)(x))  # noqa: E731
+    ct_s = jnp.array([-1.5, 0.25, -0.6])
+    bwd = jax.vjp(f, XS)[1]
+    got = lh.plant(bwd, tag="t")({"s": ct_s}, 1.0)[0]
+    # Oracle: the VJP of (f, the reaped occurrence sin(x)), a perturbation at it.
+    want = jax.vjp(lambda x, e: (f(x), jnp.sin(x) + e), XS, jnp.zeros(3))[1]((1.0, ct_s))[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_array_equal(lh.reap(bwd, tag="t")(1.0)["s"], jnp.zeros(3))
+
+
+def test_regression_zero_trip_scan_in_checkpoint_under_a_plant_gradient():
+    # A checkpointed scan given a zero tangent so that its sites meet the
+    # differentiation (the input differentiated is a plant, not x): the
+    # tangent site of its carry, with no unknown input, was dropped from the
+    # split body while the carry still used it ("KeyError: Var(...)").
+    def f(x):
+        def block(x):
+            v = lax.scan(lambda c, _: (lh.sow(jnp.sin(c), tag="t", name="s0", mode="clobber"),
+                                       None), x, None, length=0)[0]
+            return lax.cond(jnp.sum(v) > 0, lambda o: lh.sow(jnp.cos(o), tag="t", name="s1"),
+                            lambda o: lh.sow(jnp.sin(o), tag="t", name="s1"), v)
+        return jnp.sum(jax.checkpoint(block)(x) ** 2)
+    value = lh.reap(f, tag="t")(XS)["s1"]
+    got = jax.grad(lambda p: lh.plant(f, tag="t")({"s1": p}, XS))(value)
+    np.testing.assert_allclose(got, 2 * value, rtol=1e-6)  # d sum(p^2) / dp
+
+
+def _checkpointed_scan_program(*, trips: int, pre: bool, then_cond: bool):
+    from lazyharvest.testing.random_programs import Cond, Op, Output, Program, Remat, While
+    body: tuple = (While(src=0, ops=("sin",), trips=trips, name="s0", kind="scan", pre=pre,
+                         inner="", inner_trips=0), Op(fn="cos", src=0))
+    if then_cond:
+        body += (Cond(pred=1, operand=1, branches=(("cos",), ("cos",)), sites=(0,),
+                      names=("s1",), mode="strict", sows=(), pre=False, vmap=False),
+                 Op(fn="cos", src=2))
+    out = Output(kind="scalar", srcs=(3 if then_cond else 2,))
+    return Program(body=(Remat(body=body),), output=out, tree_input=False, tag="law")
+
+
+@pytest.mark.parametrize("p", [
+    _checkpointed_scan_program(trips=1, pre=True, then_cond=False),
+    _checkpointed_scan_program(trips=0, pre=False, then_cond=True)], ids=["dead", "zero-trip"])
+def test_regression_law5_on_a_checkpointed_scan_program(p):
+    # The two programs a wider (non-derandomized) search found (docs/laws.md).
+    T.check_vjp(p.fn, *p.example_args(0, ()), tag=p.tag, subset=0)
+
+
 def test_regression_invariant_append_site_under_grad():
     # An append site in a scan whose value the scan does not change was
     # hoisted out of the loop by JAX's partial evaluation under jax.grad:
