@@ -20,7 +20,7 @@ import weakref
 
 from lazyharvest import _jax
 from lazyharvest.keys import JVP, PRIMAL, VJP
-from lazyharvest.primitive import active_tags, sow_p
+from lazyharvest.primitive import active_tags, is_masked, sow_p
 
 __all__: list[str] = []
 
@@ -35,13 +35,16 @@ def _linearize(is_vjp, nonzeros, *primals, path, **params):
     tangent trace, kept there until the trace ends even if nothing uses it."""
     del is_vjp, nonzeros
     outs = sow_p.bind(*primals, path=path + (PRIMAL,), **params)
+    masked = is_masked(params)  # the tangent site reads the primal mask
+    mask = outs[-1:] if masked else []
 
     def linearized(residuals, *tangents):
-        del residuals
-        tangents = [_jax.ad.instantiate_zeros(t) for t in tangents]
+        n = len(tangents) - len(residuals)
+        tangents = [_jax.ad.instantiate_zeros(t) for t in tangents[:n]]
         with _jax.keep_staged(_holds_tangent_sites):
-            return sow_p.bind(*tangents, path=path + (JVP,), **params)
-    return outs, [True] * len(outs), [], linearized
+            outs_t = sow_p.bind(*tangents, *residuals, path=path + (JVP,), **params)
+        return [*outs_t[:n], *(_jax.Zero(m.aval.to_tangent_aval()) for m in residuals)]
+    return outs, [True] * (len(outs) - masked) + [False] * masked, mask, linearized
 
 
 def _dce(used_outputs, eqn):
@@ -137,6 +140,8 @@ def _constant_site(default, kind, trace, args, avals, params):
     if kind == "jvp" and not _jax.records_program(trace):
         return outs  # eager jax.jvp: nothing could record the zero
     floats = [_jax.differentiable(a) for a in avals]
+    mask = outs[-1:] if is_masked(params) else []  # the tangent site reads it
+    leaves = avals[:len(avals) - len(mask)]
     with _jax.current_trace(_jax.tangent_trace(trace)), _jax.no_constant_folding(), \
             _jax.keep_staged(_holds_tangent_sites):
         if kind == "vjp":
@@ -144,14 +149,14 @@ def _constant_site(default, kind, trace, args, avals, params):
             # on as the site's tangent, so the site's cotangent (d out / d site)
             # arrives and is recorded like any other.
             zeros = [_jax.linear_zero(a) if f else _jax.zeros_tangent(a)
-                     for a, f in zip(avals, floats)]
-            tangents = sow_p.bind(*zeros, path=path + (JVP,), **rest, constant=True)
+                     for a, f in zip(leaves, floats)]
+            tangents = sow_p.bind(*zeros, *mask, path=path + (JVP,), **rest, constant=True)
             return [_jax.with_tangent(trace, x, t) if f else x
-                    for x, t, f in zip(outs, tangents, floats)]
+                    for x, t, f in zip(outs, tangents[:len(leaves)] + mask, floats)]
         # Forward mode: record a zero tangent; downstream the tangent stays a
         # symbolic zero, so the program does no arithmetic on it.
-        zeros = [_jax.zeros_tangent(a) for a in avals]
-        sow_p.bind(*zeros, path=path + (JVP,), **rest)
+        zeros = [_jax.zeros_tangent(a) for a in leaves]
+        sow_p.bind(*zeros, *mask, path=path + (JVP,), **rest)
     return outs
 
 
@@ -196,7 +201,11 @@ def _make_body_bind(default):
     dead or constant sites of that level like any other."""
     def bind_with_trace(trace, args, avals, params):
         kind = _jax.differentiation_kind(trace)
-        _forget(trace, params)  # the body may sow the names remembered so far
+        # the body may sow the names remembered so far; a while loop in it
+        # starts from their values (`_make_while_bind`)
+        found = _forget(trace, params)
+        in_loops = _sown_keys(params, only_in_loops=True) if found else set()
+        _copy_earlier(trace, args, [f for f in found if _site_key(f[0]) in in_loops])
         if (kind is None or any(_jax.has_tangent(trace, x) for x in args)
                 or not _bodies_hold(params, _ANY)):
             return default(trace, args, avals, params)
@@ -220,8 +229,8 @@ def _make_body_bind(default):
 # keeps the earlier value (docs/semantics.md), so the linear function gets a
 # copy of it just before the loop: a sow marked `earlier`, which a harvest
 # takes as the loop's earlier value, not as a site (`Run.copy_of_earlier`).
-# Only within one trace: a value sown outside a jit (or cond, scan) whose body
-# runs the loop is not seen.
+# A jit, scan or cond whose body runs such a loop gets the copy before it too
+# (its body's run reads it as the value its sites had before).
 
 # jax.checkpoint's body is differentiated by jvp (then split), jax.linearize's
 # directly: the traces of both remember sites.
@@ -234,15 +243,20 @@ def _site_key(params: dict) -> tuple:
     return params["tag"], params["scopes"], params["name"], params["path"]
 
 
-def _sown_keys(params: dict) -> set:
+def _sown_keys(params: dict, only_in_loops: bool = False) -> set:
     """The keys of the sites in the bodies among `params`, but a while
-    loop's condition (whose sites are not reaped)."""
+    loop's condition (whose sites are not reaped); with `only_in_loops`,
+    only those inside a while loop's body."""
     keys: set = set()
     for name, v in params.items():
         for x in () if name == "cond_jaxpr" else v if isinstance(v, (tuple, list)) else (v,):
             j = getattr(x, "jaxpr", x)  # a ClosedJaxpr's jaxpr, or a Jaxpr
             for e in j.eqns if isinstance(j, _jax.Jaxpr) else ():
-                keys |= {_site_key(e.params)} if e.primitive is sow_p else _sown_keys(e.params)
+                if e.primitive is sow_p:
+                    keys |= set() if only_in_loops else {_site_key(e.params)}
+                else:
+                    keys |= _sown_keys(e.params,
+                                       only_in_loops and e.primitive is not _jax.while_p)
     return keys
 
 
@@ -288,18 +302,25 @@ def _make_while_bind(default):
     copy of each remembered site it sows, so that a harvest of the linear
     function starts the loop's site carry from the value sown before it."""
     def bind_with_trace(trace, args, avals, params):
-        found = _forget(trace, params)
-        target = _jax.tangent_trace(trace) if found else None
-        # (a jvp trace's parent may differentiate again: the copy would get
-        # a tangent there; only a staging trace takes it as it is)
-        if (found and _jax.differentiation_kind(target) is None
-                and any(_jax.has_tangent(trace, x) for x in args)):
-            with _jax.current_trace(target), \
-                    _jax.no_constant_folding(), _jax.keep_staged(_is_copy):
-                for p, primals in found:
-                    sow_p.bind(*primals, **dict(p, path=p["path"] + (PRIMAL,), earlier=True))
+        _copy_earlier(trace, args, _forget(trace, params))
         return default(trace, args, avals, params)
     return bind_with_trace
+
+
+def _copy_earlier(trace, args, found: list) -> None:
+    """Before an eqn that goes to the linear function of jax.linearize (an
+    input has a tangent) and runs a while loop sowing the remembered sites
+    `found`: a primal copy of each there (a jit, scan or cond holding the
+    loop carries it in, as the value its sites had before)."""
+    target = _jax.tangent_trace(trace) if found else None
+    # (a jvp trace's parent may differentiate again: the copy would get
+    # a tangent there; only a staging trace takes it as it is)
+    if (found and _jax.differentiation_kind(target) is None
+            and any(_jax.has_tangent(trace, x) for x in args)):
+        with _jax.current_trace(target), \
+                _jax.no_constant_folding(), _jax.keep_staged(_is_copy):
+            for p, primals in found:
+                sow_p.bind(*primals, **dict(p, path=p["path"] + (PRIMAL,), earlier=True))
 
 
 def _is_copy(eqn) -> bool:

@@ -120,15 +120,38 @@ def _lowering(ctx, *xs, **_):
     return list(xs)
 
 
+# A *masked* site (`masked=True`, made by the batching of a cond below) has
+# one more operand, last: a bool array over the leading (batch) axes of its
+# leaves, true for the elements that sow it. Where it is false the site keeps
+# its earlier value (docs/semantics.md section 4). The mask is no value of the
+# site: it passes through, and a tangent or cotangent site reads the primal
+# mask.
+
+def is_masked(params: dict) -> bool:
+    return bool(params.get("masked"))
+
+
 def _jvp(primals, tangents, *, path, **params):
     outs = sow_p.bind(*primals, path=path + (PRIMAL,), **params)
+    mask_t = []
+    if is_masked(params):
+        *tangents, t = tangents
+        mask_t = [t]
     if all(type(t) is _jax.Zero for t in tangents):
-        return outs, list(tangents)
+        return outs, [*tangents, *mask_t]
     tangents = [_jax.ad.instantiate_zeros(t) for t in tangents]
-    return outs, sow_p.bind(*tangents, path=path + (JVP,), **params)
+    mask = outs[-1:] if mask_t else []
+    outs_t = sow_p.bind(*tangents, *mask, path=path + (JVP,), **params)
+    return outs, [*outs_t[:len(tangents)], *mask_t]
 
 
 def _transpose(cts, *args, path, **params):
+    if is_masked(params):  # the mask is a primal input: it has no cotangent
+        return [*_transpose_leaves(cts[:-1], args[:-1], args[-1:], path, params), None]
+    return _transpose_leaves(cts, args, [], path, params)
+
+
+def _transpose_leaves(cts, args, mask, path, params):
     # Transposing "read the tangent here" is "write the cotangent here".
     if params["tag"] not in active_tags() and not _jax.under_differentiation():
         # Nothing can record this site (no harvest of its tag is traced, and
@@ -143,11 +166,17 @@ def _transpose(cts, *args, path, **params):
     cts = [_jax.ad.instantiate_zeros(c) if type(c) is _jax.Zero else c
            for c in cts]
     path = (path[:-1] if path and path[-1] == JVP else path) + (VJP,)
-    return sow_p.bind(*cts, path=path, **params)
+    return sow_p.bind(*cts, *mask, path=path, **params)[:len(cts)]
 
 
 def _batch(vals, dims, **params):
     # Plain jax.vmap: a batched site is reaped with its batch axis first.
+    if is_masked(params) and any(d is not None for d in dims):
+        # every operand batched, so the mask stays the leading axes of each leaf
+        size = next(v.shape[d] for v, d in zip(vals, dims) if d is not None)
+        vals = [jnp.broadcast_to(v, (size, *v.shape)) if d is None else v
+                for v, d in zip(vals, dims)]
+        dims = [0 if d is None else d for d in dims]
     vals = [v if d is None or d == 0 else jnp.moveaxis(v, d, 0)
             for v, d in zip(vals, dims)]
     return sow_p.bind(*vals, **params), [None if d is None else 0 for d in dims]
@@ -296,9 +325,9 @@ def harvested_sows() -> int:
 # the value each element's branch sows there, that value is sown once, and the
 # sown value is what the later stages of every branch go on with. The site
 # then holds each element's taken branch value, and its cotangent and a plant
-# flow through the program. A clobber site that an element's branch does not
-# sow is zeros for that element (the batching rule cannot see its earlier
-# value; `lh.vmap` keeps it). Branches this cannot cut (sites inside other
+# flow through the program. A clobber site that only some branches sow is a
+# masked site: an element whose branch does not sow it keeps its earlier
+# value, as without vmap. Branches this cannot cut (sites inside other
 # higher-order primitives, append or strict sites only some branches sow,
 # shared sites in different orders) are refused while their tag is harvested
 # (JAX's batching would sow every branch's sites) and batched as JAX does
@@ -524,7 +553,12 @@ def _make_cond_batcher(original: Callable) -> Callable:
             vals, vdims = original(axis_data, [*args, *sown], [*dims, *sown_dims],
                                    branches=tuple(stages[i] for i in range(len(branches))),
                                    **params)
-            vals, vdims = _batch(vals, vdims, **p)
+            if len(having) < len(branches):  # the elements whose branch sows it
+                mask = jnp.isin(args[0], jnp.asarray(having, args[0].dtype))
+                vals, vdims = _batch([*vals, mask], [*vdims, dims[0]], **p, masked=True)
+                vals, vdims = vals[:-1], vdims[:-1]
+            else:
+                vals, vdims = _batch(vals, vdims, **p)
             sown += vals
             sown_dims += vdims
         final = tuple(_stage(b, own, None, site_avals) for b, own in zip(branches, owns))

@@ -500,22 +500,225 @@ def test_vmap_cond_batched_predicate_different_clobber_sites():
 
     def perturbed(x, eb):
         return lax.cond(x > 0, lambda v: v * 6., lambda v: (v * 3. + eb) ** 2, x)
-    # lh.vmap keeps the cond: an element whose branch does not sow a name keeps
-    # its earlier value, as without vmap
+    # lh.vmap keeps the cond, plain jax.vmap batches it with masked sites: an
+    # element whose branch does not sow a name keeps its earlier value, as
+    # without vmap
     d = lh.reap(lh.vmap(f), tag="t")(X)
     close(d["a"], jnp.where(X > 0, X * 2., X * 10.))
     close(d["b"], jnp.where(X > 0, 0., X * 3.))
-    # plain jax.vmap: the batching rule cannot see the earlier value (zeros)
     loss = lambda x: jnp.sum(jax.vmap(f)(x))
     d = lh.reap(jax.grad(loss), tag="t")(X)
-    close(d["a"], jnp.where(X > 0, X * 2., 0.))
+    close(d["a"], jnp.where(X > 0, X * 2., X * 10.))
     close(d["b"], jnp.where(X > 0, 0., X * 3.))
     eb = jax.grad(lambda eb: jnp.sum(jax.vmap(perturbed)(X, eb)))(jnp.zeros(3))
     close(d["vjp", "b"], eb)
     close(lh.plant(jax.vmap(f), tag="t")({"b": jnp.ones(3)}, X), jnp.where(X > 0, X * 6., 1.))
 
 
+def earlier_then_cond(x):
+    # "a" is sown, then a cond whose first branch sows it again; the value
+    # sown first feeds the output too
+    a = sow(x * 10., "a")
+    return lax.cond(x > 0, lambda v: sow(v * 2., "a") * 3., lambda v: sow(v * 3., "b") ** 2,
+                    x) + jnp.sin(a)
+
+
+def earlier_then_cond_perturbed(x, e_cond, e_before):
+    # a perturbation at the occurrence of "a" in the taken branch, and one
+    # at the occurrence before the cond
+    a = x * 10. + e_before
+    return lax.cond(x > 0, lambda v: (v * 2. + e_cond) * 3., lambda v: (v * 3.) ** 2,
+                    x) + jnp.sin(a)
+
+
+def vmapped_loss(x):
+    return jnp.sum(jax.vmap(earlier_then_cond)(x))
+
+
+def test_vmap_cond_element_whose_branch_does_not_sow_keeps_the_earlier_value():
+    # values and tangents: the branch's where it sows "a", the earlier ones elsewhere
+    d = lh.reap(vmapped_loss, tag="t")(X)
+    close(d["a"], jnp.where(X > 0, X * 2., X * 10.))
+    d = lh.reap(lambda x: jax.jvp(vmapped_loss, (x,), (jnp.ones(3),)), tag="t")(X)
+    close(d["jvp", "a"], jnp.where(X > 0, 2., 10.))
+    _, lin = jax.linearize(vmapped_loss, X)
+    close(lh.reap(lin, tag="t")(jnp.ones(3))["a"], jnp.where(X > 0, 2., 10.))
+    # the cotangent of the reaped occurrence: in the branch where it sows,
+    # before the cond elsewhere
+    z = jnp.zeros(3)
+    at_cond, before = jax.grad(lambda e1, e0: jnp.sum(jax.vmap(earlier_then_cond_perturbed)(
+        X, e1, e0)), argnums=(0, 1))(z, z)
+    want = jnp.where(X > 0, at_cond, before)
+    close(lh.reap(jax.grad(vmapped_loss), tag="t")(X)["vjp", "a"], want)
+    bwd = jax.vjp(vmapped_loss, X)[1]
+    close(lh.reap(bwd, tag="t")(1.)["a"], want)
+    # a value sown outside the vmap is the earlier value too (broadcast)
+    def outside(x):
+        sow(jnp.sum(x), "a")
+        return jnp.sum(jax.vmap(lambda v: lax.cond(v > 0, lambda v: sow(v * 2., "a"),
+                                                  lambda v: v ** 2, v))(x))
+    close(lh.reap(outside, tag="t")(X)["a"], jnp.where(X > 0, X * 2., jnp.sum(X)))
+
+
+def test_vmap_cond_cotangent_planted_where_the_branch_does_not_sow_goes_before_the_cond():
+    ct = jnp.array([1., 2., 3.])
+    bwd = jax.vjp(vmapped_loss, X)[1]
+    reaped = lambda x: jnp.where(x > 0, x * 2., x * 10.)  # noqa: E731
+    want = jax.vjp(lambda x: (vmapped_loss(x), reaped(x)), X)[1]((1., ct))[0]
+    close(lh.plant(bwd, tag="t")({"a": ct}, 1.)[0], want)
+    # a primal plant replaces every occurrence, in either branch
+    close(lh.plant(jax.vmap(earlier_then_cond), tag="t")({"a": 5. * jnp.ones(3)}, X),
+          jnp.where(X > 0, 15., (X * 3.) ** 2) + jnp.sin(5.))
+
+
+@pytest.mark.parametrize("wrap", ["jit", "checkpoint"])
+def test_vmap_cond_masked_site_inside_jit_or_checkpoint_keeps_the_earlier_value(wrap):
+    w = jax.jit if wrap == "jit" else jax.checkpoint
+
+    def loss(x):
+        a = sow(x * 10., "a")
+        inner = jax.vmap(lambda v: lax.cond(v > 0, lambda v: sow(v * 2., "a") * 3.,
+                                            lambda v: v ** 2, v))
+        return jnp.sum(w(inner)(x) + jnp.sin(a))
+
+    def perturbed(x, e1, e0):
+        return jnp.sum(jax.vmap(lambda v, e: lax.cond(v > 0, lambda v: (v * 2. + e) * 3.,
+                                                      lambda v: v ** 2, v))(x, e1)
+                       + jnp.sin(x * 10. + e0))
+    d = lh.reap(jax.grad(loss), tag="t")(X)
+    close(d["a"], jnp.where(X > 0, X * 2., X * 10.))
+    z = jnp.zeros(3)
+    e1, e0 = jax.grad(perturbed, argnums=(1, 2))(X, z, z)
+    close(d["vjp", "a"], jnp.where(X > 0, e1, e0))
+
+
+@pytest.mark.parametrize("p", [1., -1.], ids=["taken", "not-taken"])
+def test_vmap_cond_masked_site_in_the_branch_of_an_unbatched_cond(p):
+    # the outer cond's predicate is not batched: it stays a cond, one of whose
+    # branches holds the masked site
+    def f(x):
+        a = sow(x * 10., "a")
+        inner = lambda x: lax.cond(x > 0, lambda v: sow(v * 2., "a") * 3.,  # noqa: E731
+                                   lambda v: v ** 2, x)
+        return lax.cond(p > 0, inner, lambda x: x, x) + jnp.sin(a)
+
+    def perturbed(x, e1, e0):
+        inner = lambda x: lax.cond(x > 0, lambda v: (v * 2. + e1) * 3.,  # noqa: E731
+                                   lambda v: v ** 2, x)
+        return lax.cond(p > 0, inner, lambda x: x, x) + jnp.sin(x * 10. + e0)
+    loss = lambda x: jnp.sum(jax.vmap(f)(x))  # noqa: E731
+    sows = (X > 0) & (p > 0)
+    close(lh.reap(loss, tag="t")(X)["a"], jnp.where(sows, X * 2., X * 10.))
+    z = jnp.zeros(3)
+    e1, e0 = jax.grad(lambda e1, e0: jnp.sum(jax.vmap(perturbed)(X, e1, e0)),
+                      argnums=(0, 1))(z, z)
+    close(lh.reap(jax.grad(loss), tag="t")(X)["vjp", "a"], jnp.where(sows, e1, e0))
+    ct = jnp.array([1., 2., 3.])
+    reaped = lambda x: jnp.where((x > 0) & (p > 0), x * 2., x * 10.)  # noqa: E731
+    want = jax.vjp(lambda x: (loss(x), reaped(x)), X)[1]((1., ct))[0]
+    close(lh.plant(jax.vjp(loss, X)[1], tag="t")({"a": ct}, 1.)[0], want)
+
+
+XS3 = jnp.stack([X, -X, 0.5 * X])
+
+
+def scanned(xs, reverse, e=None, last=None):
+    """A masked site in a scan body (each row of `xs` vmapped through a cond
+    whose first branch sows "a"), after "a" is sown before the scan. With `e`,
+    a perturbation at the reaped occurrence of each element (iteration
+    `last`, -1: the one before the scan)."""
+    a0 = sow(xs[0] * 10., "a")
+    if e is not None:
+        a0 = a0 + jnp.where(last == -1, e, 0.)
+
+    def body(c, ix):
+        i, x = ix
+
+        def one(v, e, last):
+            def pos(v):
+                a = sow(v * 2., "a")
+                if e is not None:
+                    a = a + jnp.where(last == i, e, 0.)
+                return a * 3. + jnp.sin(a)
+            return lax.cond(v > 0, pos, lambda v: v ** 2, v)
+        if e is None:
+            return c + jax.vmap(lambda v: one(v, None, None))(x), None
+        return c + jax.vmap(one)(x, e, last), None
+    out = lax.scan(body, jnp.zeros(3), (jnp.arange(3), xs), reverse=reverse)[0]
+    return jnp.sum(out + jnp.cos(a0))
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_vmap_cond_masked_site_in_a_scan_holds_the_highest_iteration_that_sowed(reverse):
+    # per element, the highest iteration whose branch sowed "a" (-1: none)
+    last = jnp.full(3, -1)
+    for i in range(3):
+        last = jnp.where(XS3[i] > 0, i, last)
+    reaped = jnp.where(last == -1, XS3[0] * 10., 2. * XS3[jnp.maximum(last, 0), jnp.arange(3)])
+    f = lambda xs: scanned(xs, reverse)  # noqa: E731
+    close(lh.reap(f, tag="t")(XS3)["a"], reaped)
+    cot = jax.grad(lambda e: scanned(XS3, reverse, e, last))(jnp.zeros(3))
+    close(lh.reap(jax.grad(f), tag="t")(XS3)["vjp", "a"], cot)
+    bwd = jax.vjp(f, XS3)[1]
+    close(lh.reap(bwd, tag="t")(1.)["a"], cot)
+    ct = jnp.array([1., 2., 3.])
+
+    def reaped_of(xs):
+        vals = xs[0] * 10.
+        for i in range(3):
+            vals = jnp.where(xs[i] > 0, xs[i] * 2., vals)
+        return vals
+    want = jax.vjp(lambda xs: (f(xs), reaped_of(xs)), XS3)[1]((1., ct))[0]
+    close(lh.plant(bwd, tag="t")({"a": ct}, 1.)[0], want)
+
+
+def test_vmap_of_vmap_cond_keeps_the_earlier_value():
+    x2 = jnp.stack([X, -X])
+    d = lh.reap(jax.grad(lambda x: jnp.sum(jax.vmap(jax.vmap(earlier_then_cond))(x))),
+                tag="t")(x2)
+    close(d["a"], jnp.where(x2 > 0, x2 * 2., x2 * 10.))
+    close(d["b"], jnp.where(x2 > 0, 0., x2 * 3.))
+
+
 # --- loops that run zero times -------------------------------------------------------
+
+def sown_then_nested_zero_trip(x, inner="scan", e=0.):
+    """"a" sown (plus `e`), then an outer scan of one iteration whose inner
+    loop, of zero iterations, would sow it again: the value sown first is
+    the reaped one, and it feeds the output."""
+    v = sow(x, "a") + e
+
+    def outer(c, _):
+        step = lambda c2: sow(jnp.sin(c2), "a")  # noqa: E731
+        if inner == "scan":
+            return lax.scan(lambda c2, _: (step(c2), None), c, None, length=0)[0], None
+        return lax.while_loop(lambda s: s[0] < 0, lambda s: (s[0] + 1, step(s[1])),
+                              (0, c))[1], None
+    return jnp.sum(jnp.cos(lax.scan(outer, v, None, length=1)[0]))
+
+
+def test_cotangent_of_a_name_a_nested_zero_trip_scan_does_not_sow_is_the_earlier_ones():
+    # The outer backward scan did not learn that no iteration sowed "a": the
+    # occurrence before it got no cotangent (zeros), and a cotangent planted
+    # there was lost.
+    xs = jnp.array([0.3, 0.5, 0.9])
+    want = jax.grad(lambda e: sown_then_nested_zero_trip(xs, e=e))(jnp.zeros(3))
+    close(lh.reap(jax.grad(sown_then_nested_zero_trip), tag="t")(xs)["vjp", "a"], want)
+    bwd = jax.vjp(sown_then_nested_zero_trip, xs)[1]
+    close(lh.reap(bwd, tag="t")(1.)["a"], want)
+    ct = jnp.array([1., -2., 3.])
+    full = jax.vjp(lambda x: (sown_then_nested_zero_trip(x), x), xs)[1]((1., ct))[0]
+    close(lh.plant(bwd, tag="t")({"a": ct}, 1.)[0], full)
+
+
+def test_linear_function_of_a_zero_trip_while_in_a_scan_keeps_the_earlier_value():
+    # The copy of the earlier value that the linear function of jax.linearize
+    # gets before a while loop (which it holds whole) was not made when the
+    # loop sat in a scan: the name read zeros there.
+    xs = jnp.array([0.3, 0.5, 0.9])
+    f = lambda x: sown_then_nested_zero_trip(x, inner="while")  # noqa: E731
+    _, lin = jax.linearize(f, xs)
+    close(lh.reap(lin, tag="t")(jnp.ones(3))["a"], xs)
 
 def test_zero_trip_while_keeps_earlier_value():
     def f(x):

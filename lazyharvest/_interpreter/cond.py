@@ -87,22 +87,25 @@ def union_sites(h: Harvest, sites: list[list[Site]]) -> list[Site]:
 
 def _branch(b: Body, i: int, const_sizes: list[int], order: list[Site],
             passed: list[Site], flagged: list[Site], pending: list,
-            in_avals: list) -> _jax.ClosedJaxpr:
+            in_avals: list, shapes: dict) -> _jax.ClosedJaxpr:
     """Branch `i` taking every branch's consts, then the earlier values of
     `passed`; it outputs its own outputs, whether each plant in `pending` is
     still owed after it, its sites in `order` (an earlier value where it does
-    not sow one), then per site in `flagged` where it sows it."""
+    not sow one), then per site in `flagged` where it sows it. Those flags
+    have the `shapes` every branch gives them (a masked site's mask)."""
     def fn(*args):
         *chunks, through, ops = split_list(
             args, [*const_sizes, sum(len(s.avals) for s in passed)])
         outs, leaves = b.split_outs(_jax.eval_jaxpr(b.jaxpr, (), *chunks[i], *ops))
         outs, owed, where = carried(b, outs)
-        outs = [*outs, *(owed.get(k, np.bool_(False)) for k in pending)]
+        outs = [*outs, *(jnp.broadcast_to(owed.get(k, np.bool_(False)), shapes.get(k, ()))
+                         for k in pending)]
         per = dict(zip([s.key for s in passed], per_site(passed, through)))
         per.update(zip([s.key for s in b.sites], per_site(b.sites, leaves)))
         own = {s.key for s in b.sites}
         return [*outs, *[x for s in order for x in per[s.key]],
-                *[where.get(s.key, np.bool_(s.key in own)) for s in flagged]]
+                *[jnp.broadcast_to(where.get(s.key, np.bool_(s.key in own)), shapes.get(s.key, ()))
+                  for s in flagged]]
     jaxpr, consts = _jax.trace_flat(fn, in_avals)
     assert not consts
     return _jax.ClosedJaxpr(jaxpr, ())
@@ -130,8 +133,9 @@ def _cond(run: Run, eqn: _jax.JaxprEqn, invals: list, *, branches, **_) -> list:
     in_avals = [jax.typeof(c) for c in [*all_consts, *through]] + avals
     # plants owed to the next occurrence evaluated, before or after the cond
     pending = list(dict.fromkeys(k for b in bodies for k in b.pending or ()))
-    new_branches = tuple(_branch(b, i, sizes, order, passed, flagged, pending, in_avals)
-                         for i, b in enumerate(bodies))
+    shapes = _flag_shapes(bodies)
+    new_branches = tuple(_branch(b, i, sizes, order, passed, flagged, pending, in_avals,
+                                 shapes) for i, b in enumerate(bodies))
     outs = bind(eqn, [index, *all_consts, *through, *ops],
                 dict(eqn.params, branches=new_branches))
     n_own = bodies[0].n_own
@@ -151,6 +155,17 @@ def _cond(run: Run, eqn: _jax.JaxprEqn, invals: list, *, branches, **_) -> list:
     return list(outs[:n_own])
 
 
+def _flag_shapes(bodies: list[Body]) -> dict:
+    """Per key, the shape of its still-owed or sown-here flag over every
+    branch: a scalar, or where some branch holds a masked site, its mask's."""
+    shapes: dict = {}
+    for b in bodies:
+        _own, owed, flags = carried(b, [v.aval for v in b.jaxpr.outvars[:b.n_out]])
+        for k, a in [*owed.items(), *flags.items()]:
+            shapes[k] = np.broadcast_shapes(shapes.get(k, ()), a.shape)
+    return shapes
+
+
 def _owe_plants(run: Run, index, branches) -> None:
     """A cotangent planted at a clobber site belongs to its last occurrence
     in program order, the first evaluated backward. Where that is in this
@@ -162,7 +177,9 @@ def _owe_plants(run: Run, index, branches) -> None:
             continue
         sowing = sowing_branches(branches, run.harvest, key)
         if 0 < len(sowing) < len(branches):
-            run.pending[key] = ~jnp.isin(index, jnp.array(sowing, index.dtype))
+            # (or where a masked site in the taken branch does not sow it)
+            owed = ~jnp.isin(index, jnp.array(sowing, index.dtype))
+            run.pending[key] = owed | run.pending[key] if key in run.pending else owed
 
 
 EVAL_RULES[_jax.cond_p] = _cond

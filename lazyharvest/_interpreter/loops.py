@@ -40,15 +40,18 @@ from lazyharvest._interpreter.run import (
     Run,
     ScanReplay,
     Site,
+    align,
     bind,
     is_sown,
     runs_backward,
+    select,
     sown_key,
 )
 from lazyharvest._interpreter.sites import (
     Counts,
     Harvest,
     count_occurrences,
+    has_masked_sites,
     may_owe,
     raw_key,
     sub_jaxprs,
@@ -87,6 +90,8 @@ class _ScanPlants:
     xs: list = attrs.field(factory=list)
     owed: list = attrs.field(factory=list)  # keys of owed plants
     owed_init: list = attrs.field(factory=list)  # whether the scan owes each
+    # the avals of those flags: scalars, or a masked site's mask
+    owed_avals: list = attrs.field(factory=list)
 
     @classmethod
     def of(cls, run: Run, jaxpr: _jax.Jaxpr, per_iter: Counts, length: int) -> _ScanPlants:
@@ -111,6 +116,7 @@ class _ScanPlants:
             if owes:
                 self.owed.append(k)
                 self.owed_init.append(run.pending.pop(k, np.bool_(True)))
+                self.owed_avals.append(jax.typeof(self.owed_init[-1]))
                 continue
             self.keys.append(k)
             self.xs += self._slice(pl, start, n, n_it)
@@ -141,7 +147,7 @@ class _ScanPlants:
         """The body's extra inputs: the plants' slices of one iteration, then
         whether each owed plant is still owed, then the owed plants."""
         return ([jax.typeof(x).update(shape=x.shape[1:]) for x in self.xs]
-                + [jax.typeof(np.bool_(True))] * len(self.owed)
+                + list(self.owed_avals)
                 + [jax.typeof(x) for x in self.owed_leaves()])
 
     def body_run(self, extra: list, track_sown: bool | None = None,
@@ -171,7 +177,7 @@ class _ScanPlants:
         owed = dict(zip(self.owed, chunks[n]))
         for k, leaves in zip(self.owed, chunks[n + 1:]):
             plants[k] = attrs.evolve(run.plants[k], count=self.slices[k][2], leaves=[
-                jnp.where(owed[k], x, jnp.zeros_like(x)) for x in leaves])
+                jnp.where(align(owed[k], x), x, jnp.zeros_like(x)) for x in leaves])
         inner = run.nested(plants, {}, track_sown=track_sown,
                            replays={p: list(e) for p, e in self.replays.items()},
                            replay_plants=replay_plants)
@@ -254,7 +260,7 @@ def _scan_body(body: Body, clob: list[Site], app: list[Site], sizes: list[int],
                     continue
                 flag = flags.get(s.key)
                 seen = old[-1] if flag is None else was[flag][0]
-                new_clob += [jnp.where(seen, o, n) for o, n in zip(was[s.key], per[s.key])]
+                new_clob += select(seen, was[s.key], per[s.key])
         new_clob += (owed if reverse else []) + [jnp.ones((), bool)] * any_flag
         new_app = [x for s in app for x in per[s.key]]
         return [*outs[:ncarry], *new_clob, *outs[ncarry:], *new_app]
@@ -266,11 +272,24 @@ def _trace_scan_body(run: Run, jaxpr: _jax.ClosedJaxpr, plan: _ScanPlants,
     """The re-traced body, and its clobber sites (seeded by the carry)."""
     in_avals = invar_avals(jaxpr.jaxpr) + plan.extra_avals()
     n_extra = len(in_avals) - len(jaxpr.jaxpr.invars)
-    # A reverse scan tracks which iterations sow each clobber site (`sown_key`).
-    make_run = lambda extra: plan.body_run(extra, track_sown=True if reverse else None)
+    # A reverse scan tracks which iterations sow each clobber site (`sown_key`),
+    # and so does one holding masked sites: which elements each iteration sows.
+    track = reverse or has_masked_sites(jaxpr.jaxpr, run.harvest.tag)
+    make_run = lambda extra: plan.body_run(extra, track_sown=True if track else None)
     body, inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts, in_avals, make_run, n_extra)
     _check_scan_modes(run.harvest, body)
     clob = [s for s in body.sites if s.mode == "clobber"]
+    if reverse and plan.owed:
+        # an owed plant's flag is carried: as a masked site's mask, if one is
+        # met (`Run.apply_plant`)
+        n = len(plan.owed)
+        owed_avals = [v.aval for v in body.jaxpr.outvars[body.n_out - n:body.n_out]]
+        if owed_avals != plan.owed_avals:
+            plan.owed_avals = owed_avals
+            in_avals = invar_avals(jaxpr.jaxpr) + plan.extra_avals()
+            body, inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts, in_avals, make_run,
+                                     n_extra)
+            clob = [s for s in body.sites if s.mode == "clobber"]
     if clob:  # again, with the clobber carry as the sites' earlier values
         body, inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts, in_avals,
                                  make_run, n_extra, seeds=clob)
@@ -287,6 +306,7 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, length,
     none: list = []
     if plan.owed and not reverse:
         owed_xs, none = _highest_sowing(run, eqn, jaxpr, plan, invals)
+        plan.owed_avals = [jax.typeof(x).update(shape=x.shape[1:]) for x in owed_xs]
     body, clob, inner = _trace_scan_body(run, jaxpr, plan, reverse)
     plan.done(inner)
     app = [s for s in body.sites if s.mode == "append"]
@@ -297,7 +317,7 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, length,
         flags = {s.key: sown_key(s.key) for s in clob if sown_key(s.key) in keys}
         any_flag = any(s.key not in flags and not is_sown(s.key) for s in clob)
     clob_avals = [a for s in clob for a in s.avals]
-    clob_avals += [jax.typeof(np.bool_(False))] * (n_owed + any_flag)
+    clob_avals += (plan.owed_avals if reverse else []) + [jax.typeof(np.bool_(False))] * any_flag
     owed_pl = plan.owed_leaves()
     body_avals = invar_avals(jaxpr.jaxpr)
     nb, n_xs = len(body.consts), len(body_avals) - num_consts - num_carry
@@ -315,7 +335,8 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, length,
     # it owes each owed plant is `owed_init`.
     init = [x for s in clob for x in (
         zeros(s.avals) if reverse and is_sown(s.key) else incoming(run, s))]
-    init += (plan.owed_init if reverse else []) + [np.bool_(False)] * any_flag
+    init += [jnp.broadcast_to(x, a.shape) for x, a in zip(plan.owed_init, plan.owed_avals)
+             if reverse] + [np.bool_(False)] * any_flag
     consts_in, carry_in, xs_in = split_list(invals, [num_consts, num_carry])
     outs = bind(eqn, [*body.consts, *consts_in, *owed_pl, *carry_in, *init,
                       *xs_in, *plan.xs, *owed_xs], _scan_params(eqn.params, new_jaxpr, sizes))
@@ -329,7 +350,7 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, length,
     else:  # no iteration sows: the clobber sites keep their earlier values
         _placeholders(run, clob)
         clob, n_clob = [], 0
-    _record_scan_sites(run, clob, app, clob_out[:n_clob], app_out, reverse)
+    _record_scan_sites(run, clob, app, clob_out[:n_clob], app_out)
     return [*carry_out, *ys]
 
 
@@ -361,9 +382,9 @@ def _highest_sowing(run: Run, eqn: _jax.JaxprEqn, jaxpr: _jax.ClosedJaxpr,
     owed, none = [], []
     for f, init in zip(outs[p["num_carry"]:], plan.owed_init):
         later = lax.cummax(f[::-1].astype(np.int32))[::-1]  # some iteration >= i sows
-        later = jnp.concatenate([later[1:], jnp.zeros((1,), later.dtype)]) > 0
+        later = jnp.concatenate([later[1:], jnp.zeros_like(later[:1])]) > 0
         owed.append(f & ~later & init)
-        none.append(~jnp.any(f) & init)
+        none.append(~jnp.any(f, axis=0) & init)
     return owed, none
 
 
@@ -383,18 +404,24 @@ def _scan_params(p: dict, new_jaxpr: _jax.Jaxpr, sizes: list[int]) -> dict:
 def _placeholders(run: Run, clob: list[Site]) -> None:
     """After a scan of length 0, the clobber sites that had no earlier value get
     zeros that the next occurrence replaces (also where a record evaluated
-    backward keeps its first contribution); the others stay as they were."""
+    backward keeps its first contribution); the others stay as they were. A
+    run tracking where sites are sown (an outer scan's body) learns that
+    this one sowed none, so that an earlier occurrence takes its cotangent."""
     for s in clob:
-        if not is_sown(s.key) and lookup(run, s.key) is None:
+        if lookup(run, s.key) is not None:
+            continue
+        if not is_sown(s.key):
             run.records[s.key] = Record(s.mode, s.tree, [zeros(s.avals)], seeded=True)
+        elif run.track_sown:
+            run.records[s.key] = Record(s.mode, s.tree, [zeros(s.avals)])
 
 
 def _record_scan_sites(run: Run, clob: list[Site], app: list[Site], clob_out: list,
-                       app_out: list, reverse: bool) -> None:
+                       app_out: list) -> None:
     per = dict(zip([s.key for s in clob], per_site(clob, clob_out)))
     for s in clob:
         leaves = per[s.key]
-        if reverse and is_sown(s.key):
+        if is_sown(s.key):
             if run.track_sown:  # sown here, or before the scan
                 before = incoming(run, s)[0]
                 run.record(s.key, s.mode, s.tree, [leaves[0] | before])

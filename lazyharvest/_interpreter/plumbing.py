@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-import jax
 import jax.numpy as jnp
 
 from lazyharvest import _jax
@@ -85,23 +84,7 @@ def incoming(run: Run, site: Site) -> list:
     else a copy of the value sown before a loop (`Run.earlier`), when that has
     the site's structure, shapes and dtypes; zeros otherwise.
     """
-    r = _latest(run, site.key)
-    if r is not None and r.mode == "clobber" and r.tree == site.tree:
-        leaves = r.leaves()
-        if [(jax.typeof(x).shape, jax.typeof(x).dtype) for x in leaves] == [
-                (a.shape, a.dtype) for a in site.avals]:
-            return leaves
-    return zeros(site.avals)
-
-
-def _latest(run: Run | None, key: RawKey) -> Record | None:
-    """`lookup`, where a run without a record of `key` offers its copy."""
-    while run is not None:
-        r = run.records.get(key) or run.earlier.get(key)
-        if r is not None:
-            return r
-        run = run.parent
-    return None
+    return run.earlier_leaves(site.key, site.tree, site.avals, broadcast=False)
 
 
 def seed(run: Run, sites: Sequence[Site], leaves: Sequence[Any]) -> Run:

@@ -21,7 +21,7 @@ from lazyharvest import _jax
 from lazyharvest._interpreter.sites import Harvest, RawKey, contains_sites, raw_key
 from lazyharvest.errors import HarvestError
 from lazyharvest.keys import PRIMAL, VJP, Label
-from lazyharvest.primitive import active_tags, sow_p
+from lazyharvest.primitive import active_tags, is_masked, sow_p
 
 
 def runs_backward(key: RawKey) -> bool:
@@ -92,6 +92,18 @@ def _read_vars(jaxpr: _jax.Jaxpr, tag: Any) -> set:
                 or contains_sites(eqn, tag)):
             read.update(v for v in eqn.invars if not isinstance(v, _jax.Literal))
     return read
+
+
+def align(flag: Any, x: Any) -> Any:
+    """`flag`, a bool over the leading axes of `x` (a scalar, or a masked
+    site's mask), shaped to broadcast against `x`."""
+    extra = jnp.ndim(x) - jnp.ndim(flag)
+    return jnp.reshape(flag, jnp.shape(flag) + (1,) * extra) if jnp.ndim(flag) else flag
+
+
+def select(flag: Any, new: Sequence[Any], old: Sequence[Any]) -> list:
+    """`new` where `flag` holds, else `old`, leaf by leaf."""
+    return [jnp.where(align(flag, n), n, o) for n, o in zip(new, old)]
 
 
 def is_sown(key: RawKey) -> bool:
@@ -252,16 +264,23 @@ class Run:
                 f"last) or mode='append' (stack them).")
         backward = runs_backward(key)
         if mode == "clobber":
-            if backward and is_sown(key) and not old.seeded:
+            if backward and is_sown(key) and (not old.seeded or flag is not None):
+                # (a masked site adds the elements it sows to those that did)
                 # "sown" by any contribution: a cond branch that did not sow
                 # comes first, the straight-line sow it leaves in force after
                 old.chunks = [[jnp.logical_or(o, n) for o, n in zip(old.chunks[-1], leaves)]]
+            elif flag is not None and (not backward or old.seeded):
+                # a masked site: where it sows (evaluated backward, one that
+                # follows a loop carry: the carry holds the later iterations)
+                old.chunks = [select(flag, leaves, old.chunks[-1])]
+                old.seeded = False
+                old.flag = old.flag | flag if old.flag is not None else (
+                    flag if backward else None)
             elif not backward or old.seeded:
                 old.chunks = [list(leaves)]
                 old.seeded, old.flag = False, flag
             elif old.flag is not None:  # fill in where the first one did not sow
-                old.chunks = [[jnp.where(old.flag, o, n)
-                               for o, n in zip(old.chunks[-1], leaves)]]
+                old.chunks = [select(old.flag, old.chunks[-1], leaves)]
                 old.flag = None if flag is None else old.flag | flag
             return
         shapes = [(x.shape[1:], x.dtype) for x in old.chunks[0]]
@@ -350,28 +369,57 @@ class Run:
         if not h.owns(params):
             return sow_p.bind(*vals, **params) if self.keep_other_tags else vals
         key = raw_key(params)
+        mask = vals[-1] if is_masked(params) else None
+        leaves = vals[:-1] if is_masked(params) else vals
         if params.get("earlier"):
-            self.copy_of_earlier(key, params, vals)
+            self.copy_of_earlier(key, params, leaves)
             return vals
         if params["recompute"]:
             # A copy rematerialized by jax.checkpoint: planted like its
             # original, never counted.
-            return self.replay(key, params, vals)
+            out = self.replay(key, params, leaves)
+            return out if mask is None else [*select(mask, out, leaves), mask]
         if not h.selects(params):  # still a site, for harvests outside this one
             return vals if self.side_pass else sow_p.bind(*vals, **params)
         self.begin_passes((key,))
         plant = self.plants.get(key)
         if plant is not None:
-            return self.apply_plant(key, plant, vals, params.get("remat", ()))
+            return self.apply_plant(key, plant, leaves, params.get("remat", ()), mask)
         if self.pass_through:
             return sow_p.bind(*vals, **dict(params, effect=params["tag"] in active_tags()))
         if self.want(key):
             mode = params["mode"]
-            leaves = [x[None] for x in vals] if mode == "append" else vals
-            self.record(key, mode, params["tree"], leaves)
+            kept = [x[None] for x in leaves] if mode == "append" else leaves
+            if mask is not None and not runs_backward(key):
+                # where it does not sow, the value it had before (zeros if none)
+                earlier = self.earlier_leaves(key, params["tree"], [jax.typeof(x) for x in kept])
+                kept = select(mask, kept, earlier)
+            self.record(key, mode, params["tree"], kept, flag=mask)
             if self.track_sown and mode == "clobber":
-                self.record(sown_key(key), mode, _LEAF, [jnp.ones((), bool)])
+                self.record(sown_key(key), mode, _LEAF,
+                            [jnp.ones((), bool) if mask is None else mask], flag=mask)
         return vals
+
+    def earlier_leaves(self, key: RawKey, tree: Any, avals: Sequence[Any],
+                       broadcast: bool = True) -> list:
+        """The leaves of avals `avals` that a clobber site `key` holds so far,
+        in this run or the runs around it, or a copy of the value sown before
+        a loop (`earlier`), when that has the structure `tree`, the dtypes and
+        the shapes (with `broadcast`, shapes that broadcast to them: a value
+        sown outside the `jax.vmap` that made a masked site); zeros otherwise."""
+        run: Run | None = self
+        r = None
+        while run is not None and r is None:
+            r = run.records.get(key) or run.earlier.get(key)
+            run = run.parent
+        if r is not None and r.mode == "clobber" and r.tree == tree:
+            leaves = r.leaves()
+            if len(leaves) == len(avals) and all(
+                    jax.typeof(x).dtype == a.dtype and (a.shape[a.ndim - jnp.ndim(x):] == x.shape
+                                                        if broadcast else a.shape == x.shape)
+                    for x, a in zip(leaves, avals)):
+                return [jnp.broadcast_to(x, a.shape) for x, a in zip(leaves, avals)]
+        return [jnp.zeros(a.shape, a.dtype) for a in avals]
 
     def copy_of_earlier(self, key: RawKey, params: dict, vals: list) -> None:
         """The value sown before a while loop, copied into the linear function
@@ -386,12 +434,15 @@ class Run:
             self.earlier[key] = Record(params["mode"], params["tree"], [list(vals)])
 
     def apply_plant(self, key: RawKey, plant: Plant | None, vals: list,
-                    tokens: tuple = ()) -> list:
+                    tokens: tuple = (), mask: Any = None) -> list:
         """Plants the next occurrence of `key` (in evaluation order).
 
         An append plant gives it its row in program order; an additive
         clobber plant is added at the last occurrence in program order only.
         `tokens`: this occurrence is the original of rematerialized copies.
+        `mask`: a masked site, planted only where the mask holds; elsewhere
+        an additive plant it would take is owed to the next occurrence
+        evaluated (the one before it), as for a cond branch that does not sow.
         """
         if plant is None:
             return vals
@@ -406,9 +457,15 @@ class Run:
             self.replays.setdefault((t, key), []).append(how)
         pending = self.pending.pop(key, None)
         if pending is not None and not how.applied:
-            return [v + jnp.where(pending, p, jnp.zeros_like(p)).astype(v.dtype)
-                    for v, p in zip(vals, plant.leaves)]
-        return how.apply(plant, vals)
+            out = [v + jnp.where(align(pending, p), p, jnp.zeros_like(p)).astype(v.dtype)
+                   for v, p in zip(vals, plant.leaves)]
+            if mask is not None:
+                self.pending[key] = pending & ~mask
+        else:
+            out = how.apply(plant, vals)
+            if mask is not None and plant.additive and how.applied:
+                self.pending[key] = ~mask
+        return out if mask is None else [*select(mask, out, vals), mask]
 
     def replay(self, key: RawKey, params: dict, vals: list) -> list:
         """A rematerialized copy: planted as its original was."""

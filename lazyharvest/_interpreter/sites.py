@@ -14,7 +14,7 @@ import attrs
 
 from lazyharvest import _jax
 from lazyharvest.keys import PRIMAL, Label
-from lazyharvest.primitive import sow_p
+from lazyharvest.primitive import is_masked, sow_p
 
 RawKey = tuple  # (path, scopes, name)
 Counts = dict  # RawKey -> occurrences in one evaluation
@@ -88,6 +88,13 @@ def contains_sites(eqn: _jax.JaxprEqn, tag: Hashable) -> bool:
     return any(jaxpr_has_sites(j, tag) for j in sub_jaxprs(eqn.params))
 
 
+def has_masked_sites(jaxpr: _jax.Jaxpr, tag: Hashable) -> bool:
+    """Whether `jaxpr` holds, at any depth, a masked site of `tag`."""
+    return any((e.primitive is sow_p and e.params["tag"] == tag and is_masked(e.params))
+               or any(has_masked_sites(j, tag) for j in sub_jaxprs(e.params))
+               for e in jaxpr.eqns if e.primitive is sow_p or contains_sites(e, tag))
+
+
 # --- counting ------------------------------------------------------------------
 
 CountRule = Callable[..., Counts]
@@ -126,13 +133,15 @@ def _count_eqn(e: _jax.JaxprEqn, harvest: Harvest) -> Counts:
 
 def may_owe(jaxpr: _jax.Jaxpr, harvest: Harvest, key: RawKey) -> bool:
     """Whether the first occurrence of `key` that `jaxpr` evaluates may not
-    sow it: one in a cond some of whose branches do not (or in a scan
+    sow it: a masked site, one in a cond some of whose branches do not (or in a scan
     whose body's first occurrence may not). A cotangent
     planted there is owed to the next occurrence evaluated (`Run.pending`)."""
     for e in jaxpr.eqns:
         if not _count_eqn(e, harvest).get(key):
             continue
         p = e.params
+        if e.primitive is sow_p:  # a masked site sows only where its mask holds
+            return is_masked(p)
         if e.primitive is _jax.cond_p:
             return (len(sowing_branches(p["branches"], harvest, key)) < len(p["branches"])
                     or any(may_owe(b.jaxpr, harvest, key) for b in p["branches"]))

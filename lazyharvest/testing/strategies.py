@@ -203,7 +203,7 @@ class _Gen:
             sows, mode = self.sown_subsets(n_br, len(names)), "clobber"
             # in a loop the name's earlier value would be the previous
             # iteration's: sow it before the cond, so every iteration sows it
-            pre = not vmap and (loop or draw(st.booleans()))
+            pre = loop or draw(st.booleans())
         return (Cond(pred, operand, branches, where, names, mode, sows, pre, vmap),
                 [shapes[operand]])
 
