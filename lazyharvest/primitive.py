@@ -553,7 +553,9 @@ def _make_cond_batcher(original: Callable) -> Callable:
             vals, vdims = original(axis_data, [*args, *sown], [*dims, *sown_dims],
                                    branches=tuple(stages[i] for i in range(len(branches))),
                                    **params)
-            if len(having) < len(branches):  # the elements whose branch sows it
+            if len(having) < len(branches) and not is_masked(p):
+                # the elements whose branch sows it (a site masked already
+                # selects a false mask where a branch does not sow it)
                 mask = jnp.isin(args[0], jnp.asarray(having, args[0].dtype))
                 vals, vdims = _batch([*vals, mask], [*vdims, dims[0]], **p, masked=True)
                 vals, vdims = vals[:-1], vdims[:-1]

@@ -619,6 +619,32 @@ def test_vmap_cond_masked_site_in_the_branch_of_an_unbatched_cond(p):
     close(lh.plant(jax.vjp(loss, X)[1], tag="t")({"a": ct}, 1.)[0], want)
 
 
+def test_vmap_of_a_cond_whose_branch_vmaps_a_cond_keeps_the_earlier_value():
+    # both conds batched: the inner one's masked site is a site of the outer
+    # one's branches that only one of them sows
+    def inner(y):
+        return lax.cond(y > 0, lambda v: sow(v * 2., "a") * 3., lambda v: v ** 2, y)
+
+    def f(x):
+        a = sow(x * 10., "a")
+        return jnp.sum(lax.cond(x[0] > 0, jax.vmap(inner), lambda v: v * 5., x) + jnp.sin(a))
+
+    def perturbed(x, e1, e0):
+        inner_e = lambda y, e: lax.cond(y > 0, lambda v: (v * 2. + e) * 3.,  # noqa: E731
+                                        lambda v: v ** 2, y)
+        return jnp.sum(lax.cond(x[0] > 0, lambda v: jax.vmap(inner_e)(v, e1),
+                                lambda v: v * 5., x) + jnp.sin(x * 10. + e0))
+    x2 = jnp.stack([X, jnp.array([-1., 2., 4.])])
+    sows = (x2[:, :1] > 0) & (x2 > 0)
+    loss = lambda x: jnp.sum(jax.vmap(f)(x))  # noqa: E731
+    d = lh.reap(jax.grad(loss), tag="t")(x2)
+    close(d["a"], jnp.where(sows, x2 * 2., x2 * 10.))
+    z = jnp.zeros((2, 3))
+    e1, e0 = jax.grad(lambda e1, e0: jnp.sum(jax.vmap(perturbed)(x2, e1, e0)),
+                      argnums=(0, 1))(z, z)
+    close(d["vjp", "a"], jnp.where(sows, e1, e0))
+
+
 XS3 = jnp.stack([X, -X, 0.5 * X])
 
 
