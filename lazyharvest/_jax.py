@@ -948,7 +948,8 @@ _hoisting = jax.make_user_context(default_value=False)
 
 def keep_in_scan_loops(prim: Primitive, effect_type: type,
                        keep: Callable[[dict], bool]) -> None:
-    """Eqns of `prim` with `keep(params)` are not hoisted out of scans."""
+    """Eqns of `prim` with `keep(params)` are not hoisted out of scans (a
+    site, or a jit or cond whose body holds one)."""
     from jax._src.lax.control_flow import loops as _loops
 
     original = _loops._scan_known_hoisting
@@ -962,9 +963,11 @@ def keep_in_scan_loops(prim: Primitive, effect_type: type,
         hoisting._lazyharvest = True  # type: ignore[attr-defined]
         _loops._scan_known_hoisting = hoisting
 
-    def rule(trace, *tracers, **params):
-        if _hoisting.value and keep(params) and all(t.pval.is_known() for t in tracers):
-            tracers = tuple(trace.instantiate_const(t) for t in tracers)
-        return trace.default_process_primitive(prim, tracers, params)
+    def make_rule(previous: Callable) -> Callable:
+        def rule(trace, *tracers, **params):
+            if _hoisting.value and keep(params) and all(t.pval.is_known() for t in tracers):
+                tracers = tuple(trace.instantiate_const(t) for t in tracers)
+            return previous(trace, *tracers, **params)
+        return rule
 
-    pe.custom_partial_eval_rules[prim] = rule
+    register_partial_eval_rule(prim, make_rule)

@@ -212,6 +212,7 @@ _jax.register_remat_rule(sow_p, _remat_partial_eval)
 _jax.keep_in_scan_loops(sow_p, SowEffect, lambda params: params["effect"])
 
 
+
 def _check_leaf(leaf: Any, tag: Hashable, name: str) -> Any:
     if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind not in "biufcV":
         raise HarvestError(
@@ -357,6 +358,16 @@ def _sows(jaxpr: Any) -> Iterator[dict]:
             yield e.params
         for j in _sub_jaxprs(e.params):
             yield from _sows(j)
+
+
+def _body_sows(params: dict) -> bool:
+    """A body among `params` holds a site of a harvested tag (its effect)."""
+    return any(isinstance(e, SowEffect) for j in _sub_jaxprs(params) for e in j.effects)
+
+
+# A cond holding sites is not hoisted out of a scan either (its sites would
+# be sown once, not once per iteration).
+_jax.keep_in_scan_loops(_jax.cond_p, SowEffect, _body_sows)
 
 
 def _inlined(eqn: Any) -> Any:

@@ -520,6 +520,29 @@ def test_regression_law5_on_a_checkpointed_scan_program(p):
     T.check_vjp(p.fn, *p.example_args(0, ()), tag=p.tag, subset=0)
 
 
+@pytest.mark.parametrize("kind", ["cond", "switch"])
+def test_regression_invariant_cond_holding_an_append_site_under_grad(kind):
+    # A cond in a scan body whose operands do not change over the loop and
+    # whose outputs nothing uses was hoisted out of the loop by JAX's partial
+    # evaluation under jax.grad: the append site read zeros (found by a
+    # non-derandomized search).
+    def f(x, b):
+        v = jnp.cos(b)
+        s = lambda o: lh.sow(jnp.cos(o), tag="t", name="s", mode="append")  # noqa: E731
+
+        def body(c, xi):
+            if kind == "cond":
+                lax.cond(jnp.sum(x) > 0, s, s, v)
+            else:
+                lax.switch(jnp.clip(jnp.sum(x).astype(int), 0, 2), [s] * 3, v)
+            return 0.5 * c + jnp.tanh(jnp.cos(xi)), None
+        return lax.scan(body, v, x)[0]
+    rows = jnp.full(3, jnp.cos(jnp.cos(0.7)))
+    np.testing.assert_allclose(lh.reap(jax.grad(f), tag="t")(XS, 0.7)["s"], rows, rtol=1e-6)
+    np.testing.assert_allclose(lh.reap(jax.grad(f, argnums=1), tag="t")(XS, 0.7)["s"], rows,
+                               rtol=1e-6)
+
+
 def test_regression_invariant_append_site_under_grad():
     # An append site in a scan whose value the scan does not change was
     # hoisted out of the loop by JAX's partial evaluation under jax.grad:
