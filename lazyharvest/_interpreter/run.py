@@ -414,11 +414,13 @@ class Run:
             run = run.parent
         if r is not None and r.mode == "clobber" and r.tree == tree:
             leaves = r.leaves()
+            have = [jax.typeof(x) for x in leaves]
             if len(leaves) == len(avals) and all(
-                    jax.typeof(x).dtype == a.dtype and (a.shape[a.ndim - jnp.ndim(x):] == x.shape
-                                                        if broadcast else a.shape == x.shape)
-                    for x, a in zip(leaves, avals)):
-                return [jnp.broadcast_to(x, a.shape) for x, a in zip(leaves, avals)]
+                    h.dtype == a.dtype and (a.shape[a.ndim - h.ndim:] == h.shape
+                                            if broadcast else a.shape == h.shape)
+                    for h, a in zip(have, avals)):
+                return [x if h.shape == a.shape else jnp.broadcast_to(x, a.shape)
+                        for x, h, a in zip(leaves, have, avals)]
         return [jnp.zeros(a.shape, a.dtype) for a in avals]
 
     def copy_of_earlier(self, key: RawKey, params: dict, vals: list) -> None:
