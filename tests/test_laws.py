@@ -468,6 +468,7 @@ def _checkpointed_dead_scan(x):
     return jnp.cos(x)
 
 
+@needs_derivative_sites
 def test_regression_dead_scan_in_checkpoint_takes_its_planted_cotangent():
     # The transpose of jax.checkpoint (partial evaluation of the body's jvp)
     # dropped the scan, its tangent site with it: a cotangent planted into
