@@ -962,6 +962,16 @@ def keep_in_scan_loops(prim: Primitive, effect_type: type,
 
         hoisting._lazyharvest = True  # type: ignore[attr-defined]
         _loops._scan_known_hoisting = hoisting
+        # jax.checkpoint's split of a scan hoists loop invariants its own way
+        # (`_scan_partial_eval_custom`): the flag is set around it too.
+        custom = pe.partial_eval_jaxpr_custom_rules[scan_p]
+
+        def custom_rule(saveable, unks_in, inst_in, eqn):
+            if not any(isinstance(e, effect_type) for e in eqn.params["jaxpr"].effects):
+                return custom(saveable, unks_in, inst_in, eqn)
+            with _hoisting(True):
+                return custom(saveable, unks_in, inst_in, eqn)
+        pe.partial_eval_jaxpr_custom_rules[scan_p] = custom_rule
 
     def make_rule(previous: Callable) -> Callable:
         def rule(trace, *tracers, **params):

@@ -338,6 +338,10 @@ _jax.register_bind_hook(_jax.while_p, _make_while_bind)
 # sites are the last ones. Not under jax.vjp, which cannot transpose it.
 _jax.wrap_linearization(_jax.while_p, _holds_tangent_sites, forward_only=True)
 _jax.wrap_dce_rule(_jax.while_p, _holds_tangent_sites, lambda eqn: False)
+# A rematerialized linear part (jax.checkpoint's) whose outputs nobody uses
+# keeps its tangent sites too (a checkpointed block in a jitted layer whose
+# later call is dead code).
+_jax.wrap_dce_rule(_jax.remat_p, _holds_tangent_sites, lambda eqn: False)
 
 
 def _transposes_sites(params: dict) -> bool:

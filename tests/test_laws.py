@@ -544,6 +544,50 @@ def test_regression_invariant_cond_holding_an_append_site_under_grad(kind):
                                rtol=1e-6)
 
 
+def test_regression_invariant_append_site_in_a_checkpointed_scan_under_grad():
+    # jax.checkpoint's split of a scan hoists loop invariants its own way: the
+    # append site was sown once (1 row) under jax.grad.
+    def f(x, e=None):
+        v = jnp.cos(x)
+
+        def block(v):
+            def body(c, i):
+                s = lh.sow(jnp.cos(v), tag="t", name="s", mode="append")
+                if e is not None:
+                    s = s + e[i]
+                return c * jnp.sum(s), None
+            return lax.scan(body, v, jnp.arange(3))[0]
+        return jnp.sum(jax.checkpoint(block)(v))
+    d = lh.reap(jax.grad(f), tag="t")(XS)
+    np.testing.assert_allclose(d["s"], jnp.broadcast_to(jnp.cos(jnp.cos(XS)), (3, 3)),
+                               rtol=1e-6)
+    np.testing.assert_allclose(d["vjp", "s"], jax.grad(lambda e: f(XS, e))(jnp.zeros((3, 3))),
+                               rtol=1e-5)
+
+
+@needs_derivative_sites
+def test_regression_dead_checkpoint_in_a_jitted_layer_keeps_its_tangent_sites():
+    # A jitted layer called twice whose second call nothing uses: DCE of the
+    # linear function dropped the checkpointed block inside that call, with
+    # its tangent site (1 row instead of 2 under jax.linearize).
+    @jax.jit
+    def layer(h):
+        h = lh.sow(h, tag="t", name="a", mode="append")
+        return jnp.cos(jax.checkpoint(
+            lambda u: lh.sow(jnp.cos(u), tag="t", name="s", mode="append"))(h))
+
+    def f(x):
+        h1 = layer(x)
+        layer(h1)
+        return jnp.sum(h1)
+    _, lin = jax.linearize(f, XS)
+    t = jnp.ones(3)
+    # plain JAX: s_1 = cos(x), s_2 = cos(cos(cos(x))), and their tangents
+    s = lambda x: jnp.stack([jnp.cos(x), jnp.cos(jnp.cos(jnp.cos(x)))])  # noqa: E731
+    np.testing.assert_allclose(lh.reap(lin, tag="t")(t)["s"], jax.jvp(s, (XS,), (t,))[1],
+                               rtol=1e-5)
+
+
 def test_regression_invariant_append_site_under_grad():
     # An append site in a scan whose value the scan does not change was
     # hoisted out of the loop by JAX's partial evaluation under jax.grad:
