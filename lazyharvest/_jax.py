@@ -949,7 +949,7 @@ _hoisting = jax.make_user_context(default_value=False)
 def keep_in_scan_loops(prim: Primitive, effect_type: type,
                        keep: Callable[[dict], bool]) -> None:
     """Eqns of `prim` with `keep(params)` are not hoisted out of scans (a
-    site, or a jit or cond whose body holds one)."""
+    site, or a cond whose body holds one)."""
     from jax._src.lax.control_flow import loops as _loops
 
     original = _loops._scan_known_hoisting

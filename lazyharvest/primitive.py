@@ -212,7 +212,6 @@ _jax.register_remat_rule(sow_p, _remat_partial_eval)
 _jax.keep_in_scan_loops(sow_p, SowEffect, lambda params: params["effect"])
 
 
-
 def _check_leaf(leaf: Any, tag: Hashable, name: str) -> Any:
     if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind not in "biufcV":
         raise HarvestError(
