@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import re
 import weakref
 from collections.abc import Callable, Sequence
@@ -38,8 +39,8 @@ def parse_version(version: str) -> tuple[int, ...]:
 
 
 JAX_VERSION = parse_version(jax.__version__)
-MIN_JAX_VERSION = (0, 8, 3)  # pyproject.toml: jax>=0.8.3,<0.11
-TESTED_JAX_VERSIONS = ((0, 8, 3), (0, 9, 2), (0, 10, 2))  # scripts/compat.py
+MIN_JAX_VERSION = (0, 8, 3)  # pyproject.toml: jax>=0.8.3,<0.13
+TESTED_JAX_VERSIONS = ((0, 8, 3), (0, 9, 2), (0, 10, 2), (0, 11, 2), (0, 12, 0))  # scripts/compat.py
 
 
 def _spell(version: Sequence[int]) -> str:
@@ -90,6 +91,19 @@ except ImportError:  # jax < 0.10
     from jax._src.effects import Effect  # noqa: F401
 
 Zero = ad.Zero
+
+# jax >= 0.12 merged `ClosedJaxpr` into `Jaxpr`: a jaxpr's constvars are its
+# leading inputs that have values attached (`jaxpr.consts`); without them
+# attached, they are plain leading invars.
+MERGED_JAXPR = ClosedJaxpr is Jaxpr
+
+
+def _open(jaxpr: Jaxpr, consts: Sequence[Any]) -> Jaxpr:
+    """A traced jaxpr as jax < 0.12 gives it: its constvars apart from its
+    invars (on jax >= 0.12, by attaching `consts`)."""
+    if MERGED_JAXPR and consts and not jaxpr.consts:
+        return jaxpr.with_consts(list(consts))
+    return jaxpr
 UNSPECIFIED = _sharding_impls.UNSPECIFIED
 
 
@@ -244,7 +258,7 @@ def trace_flat(fn: Callable, in_avals: Sequence[Any], name: str = "lazyharvest"
     dbg = _debug_info(name, fn, tuple(in_avals), {})
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fn, debug_info=dbg),
                                                  list(in_avals))
-    return jaxpr, list(consts)
+    return _open(jaxpr, consts), list(consts)
 
 
 def trace_pytree(fn: Callable, in_tree: Any, in_avals: Sequence[Any],
@@ -277,7 +291,7 @@ def extra_dce_rules(rules: dict):
     def installed():
         table = pe.dce_rules
         saved = {p: table[p] for p in rules if p in table}
-        table.update(rules)
+        table.update({p: _to_jax_dce(r) for p, r in rules.items()})
         try:
             yield
         finally:
@@ -340,8 +354,8 @@ def eval_eqns(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
     def read(v: Any) -> Any:
         return v.val if isinstance(v, Literal) else env[v]
 
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
+    # (jax >= 0.12: constvars without attached values are leading invars)
+    env.update(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]))
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         if in_context:
@@ -405,6 +419,41 @@ def shard_map_params(eqn: JaxprEqn) -> tuple[Jaxpr, Any, frozenset, bool]:
     return p["jaxpr"], p["mesh"], manual, p["check_vma"]
 
 
+def scan_counts(params: dict) -> tuple[int, int]:
+    """A scan eqn's (number of consts, number of carries).
+
+    jax < 0.11 has them as params `num_consts`, `num_carry`; jax >= 0.11
+    describes the operands by a flat tree `ft_in` of (consts, carry, xs).
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _xs = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
+def scan_params(params: dict, jaxpr: Any, num_consts: int, num_carry: int,
+                linear: Callable[[tuple], tuple] | None = None) -> dict:
+    """`params` of a scan with the body `jaxpr` (closed), `num_consts` consts
+    and `num_carry` carries (the rest of its inputs are xs, of its outputs
+    ys). `linear(old)` gives the new per-input `linear` flags where JAX has
+    them (jax < 0.11; all False if not given)."""
+    if "num_consts" in params:
+        out = dict(params, jaxpr=jaxpr, num_consts=num_consts, num_carry=num_carry)
+        if "linear" in params:
+            n = len(jaxpr.in_avals)
+            out["linear"] = (tuple(linear(tuple(params["linear"]))) if linear
+                             else (False,) * n)
+        return out
+    from jax._src import flattree as _ft
+
+    n_xs = len(jaxpr.in_avals) - num_consts - num_carry
+    n_ys = len(jaxpr.out_avals) - num_carry
+    return dict(params, jaxpr=jaxpr,
+                ft_in=_ft.pack((_ft.nones(num_consts), _ft.nones(num_carry),
+                                _ft.nones(n_xs))),
+                ft_out=_ft.pack((_ft.nones(num_carry), _ft.nones(n_ys))))
+
+
 def varying_axes(aval: Any) -> frozenset:
     """Mesh axes over which a value (given by its aval) varies inside shard_map.
 
@@ -448,7 +497,7 @@ def _jax_batching_private():
 # them). The helpers below let `sow` give a constant site a (zero) tangent and
 # keep a tangent site alive in the linear program until its trace ends.
 
-_BIND_TAKES_AVALS = "avals" in __import__("inspect").signature(
+_BIND_TAKES_AVALS = "avals" in inspect.signature(
     _core.Primitive.bind_with_trace).parameters
 
 
@@ -486,6 +535,23 @@ def replace_subfuns(params: dict, make: Callable[..., tuple | None]) -> dict:
     return params if new is None else dict(params, subfuns=new)
 
 
+# jax >= 0.11: a custom_vjp call's wrapped backward function returns
+# `(cotangents, logs)` (`defvjp_with_logs`); jax < 0.11 the cotangents.
+def _bwd_returns_logs() -> bool:
+    from jax._src import custom_derivatives as _cd
+    return "with_logs" in inspect.signature(_cd._flatten_bwd).parameters
+
+
+_BWD_RETURNS_LOGS = _bwd_returns_logs()
+
+
+def call_bwd(bwd: Any, *args: Any) -> tuple:
+    """The cotangents a custom_vjp call's wrapped backward function `bwd`
+    (from `params["subfuns"]`) gives for `args` (residuals, then cotangents)."""
+    out = bwd.call_wrapped(*args)
+    return tuple(out[0] if _BWD_RETURNS_LOGS else out)
+
+
 def wrapped_like(fn: Callable, like: Any) -> Any:
     """`fn` as a JAX wrapped function, for a custom call's `subfuns`."""
     return lu.wrap_init(fn, debug_info=like.debug_info)
@@ -515,23 +581,64 @@ def _store_full(store: Any) -> bool:
     return bool(getattr(store, "_store", store))
 
 
+# jax >= 0.11: a linearization rule returns one more value, structured
+# residuals (None for ours), and `linearized` takes their binders after the
+# residuals; jax < 0.11 returns four values.
+_LINEARIZE_STRUCTURED = "structured_residuals" in getattr(
+    _ad.LinearizeTrace, "__annotations__", {})
+
+
+def _to_jax_linearization(rule: Callable) -> Callable:
+    """A rule in the four-value form as the running JAX calls rules."""
+    if not _LINEARIZE_STRUCTURED:
+        return rule
+
+    def structured(is_vjp, *args, **params):
+        primals_out, nzs_out, residuals, linearized = rule(is_vjp, *args, **params)
+        return (primals_out, nzs_out, residuals, None,
+                lambda res, _structured, *tangents: linearized(res, *tangents))
+    return structured
+
+
 def register_linearization(prim: Primitive, rule: Callable) -> None:
     """`rule(is_vjp, nonzeros, *primals, **params) -> (primals_out,
     nonzeros_out, residuals, linearized)`; `linearized(residuals, *tangents)`
     runs on the tangent trace."""
-    _ad.primitive_linearizations[prim] = rule
+    _ad.primitive_linearizations[prim] = _to_jax_linearization(rule)
 
 
 linearization_rules = _ad.primitive_linearizations  # (tests remove sow's to break it)
 
 
+# jax >= 0.12 calls a DCE rule as `rule(used_outputs, live_inputs, eqn)`
+# (`live_inputs`: which Ref inputs are read after the eqn); jax < 0.12 as
+# `rule(used_outputs, eqn)`. The package writes rules in the older form.
+_DCE_LIVE_INPUTS = len(inspect.signature(_pe._default_dce_rule).parameters) == 3
+
+
+def _to_jax_dce(rule: Callable) -> Callable:
+    """A `rule(used_outputs, eqn)` as the running JAX calls DCE rules."""
+    if not _DCE_LIVE_INPUTS:
+        return rule
+    return lambda used_outputs, live_inputs, eqn: rule(used_outputs, eqn)
+
+
+def _call_jax_dce(rule: Callable, used_outputs: Sequence[bool], eqn: JaxprEqn,
+                  live_inputs: Sequence[bool] | None = None) -> tuple[list, Any]:
+    """JAX's DCE `rule` on `eqn` (every Ref input live unless told)."""
+    if not _DCE_LIVE_INPUTS:
+        return rule(list(used_outputs), eqn)
+    live = [True] * len(eqn.invars) if live_inputs is None else list(live_inputs)
+    return rule(list(used_outputs), live, eqn)
+
+
 def register_dce_rule(prim: Primitive, rule: Callable) -> None:
     """`rule(used_outputs, eqn) -> (used_inputs, eqn or None)`."""
-    pe.dce_rules[prim] = rule
+    pe.dce_rules[prim] = _to_jax_dce(rule)
 
 
 def default_dce_rule(used_outputs: Sequence[bool], eqn: JaxprEqn) -> tuple[list, Any]:
-    return _pe._default_dce_rule(list(used_outputs), eqn)
+    return _call_jax_dce(_pe._default_dce_rule, used_outputs, eqn)
 
 
 def differentiation_kind(trace: Any) -> str | None:
@@ -715,12 +822,13 @@ def wrap_linearization(prim: Primitive, keep: Callable[[JaxprEqn], bool],
     def rule(is_vjp, *args, **params):
         if is_vjp and forward_only:
             return original(is_vjp, *args, **params)
-        primals_out, nzs_out, residuals, linearized = original(is_vjp, *args, **params)
+        # (four values, or five with structured residuals on jax >= 0.11)
+        *head, linearized = original(is_vjp, *args, **params)
 
         def kept(*a, **k):
             with keep_staged(keep):
                 return linearized(*a, **k)
-        return primals_out, nzs_out, residuals, kept
+        return (*head, kept)
     rule._lazyharvest = True  # type: ignore[attr-defined]
     _ad.primitive_linearizations[prim] = rule
 
@@ -731,18 +839,20 @@ def wrap_dce_rule(prim: Primitive, keep: Callable[[JaxprEqn], bool],
     its outputs is used (JAX's rules drop such an effect-free eqn whole), and
     keeps every input of one whose body makes a value the backward pass
     treats as linear (`made_linear`)."""
-    original = pe.dce_rules.get(prim, default_dce_rule)
+    original = pe.dce_rules.get(prim, _pe._default_dce_rule)
     if getattr(original, "_lazyharvest", False):
         return
 
-    def rule(used_outputs, eqn):
+    def rule(used_outputs, *live_and_eqn):
+        *live, eqn = live_and_eqn  # (live inputs on jax >= 0.12)
+        live_inputs = live[0] if live else None
         if not keep(eqn):
-            return original(used_outputs, eqn)
+            return _call_jax_dce(original, used_outputs, eqn, live_inputs)
         shown = eqn
         if not any(used_outputs):
             shown = new_jaxpr_eqn(eqn.invars, eqn.outvars, eqn.primitive, eqn.params,
                                   eqn.effects | {_keep_effect}, eqn.source_info, eqn.ctx)
-        used_inputs, new_eqn = original(used_outputs, shown)
+        used_inputs, new_eqn = _call_jax_dce(original, used_outputs, shown, live_inputs)
         if new_eqn is shown:  # JAX's default rule: kept whole
             return used_inputs, eqn
         if new_eqn is None:  # a jit whose body uses no input: kept whole
@@ -776,8 +886,10 @@ def _keeping_inputs(used_outputs: Sequence[bool], eqn: JaxprEqn,
         params = dict(dced.params, branches=tuple(_dce_keeping_binders(b, used)
                                                   for b in p["branches"]))
     elif eqn.primitive is scan_p:  # every carry stays: a carry in needs its carry out
-        used[:p["num_carry"]] = [True] * p["num_carry"]
-        params = dict(p, jaxpr=_dce_keeping_binders(p["jaxpr"], used))
+        num_carry = scan_counts(p)[1]
+        used[:num_carry] = [True] * num_carry
+        params = scan_params(p, _dce_keeping_binders(p["jaxpr"], used), *scan_counts(p),
+                             linear=lambda lin: lin)
     else:  # jit: the per-output parameters as DCE left them, per-input ones whole
         params = dict(dced.params, jaxpr=_dce_keeping_binders(p["jaxpr"], used),
                       **{k: p[k] for k in ("in_shardings", "in_layouts", "donated_invars")})
@@ -954,11 +1066,13 @@ def keep_in_scan_loops(prim: Primitive, effect_type: type,
 
     original = _loops._scan_known_hoisting
     if not getattr(original, "_lazyharvest", False):
-        def hoisting(jaxpr_known, known_consts, num_res):
+        # (jax < 0.11: `(jaxpr_known, known_consts, num_res)`; jax >= 0.11
+        # adds `num_sres`: only the first argument is read here)
+        def hoisting(jaxpr_known, *args):
             if not any(isinstance(e, effect_type) for e in jaxpr_known.effects):
-                return original(jaxpr_known, known_consts, num_res)
+                return original(jaxpr_known, *args)
             with _hoisting(True):
-                return original(jaxpr_known, known_consts, num_res)
+                return original(jaxpr_known, *args)
 
         hoisting._lazyharvest = True  # type: ignore[attr-defined]
         _loops._scan_known_hoisting = hoisting

@@ -1,23 +1,31 @@
 #!/usr/bin/env python3
 """Runs the test suite on each supported JAX version, one venv per version.
 
-    python scripts/compat.py                      # 0.8.3, 0.9.2, 0.10.2: full suite
+    python scripts/compat.py                      # every tested version: full suite
     python scripts/compat.py --fast 0.8.3 0.9.2   # the fast subset (-m "not slow")
-    python scripts/compat.py --fast --parallel 0.8.3 0.9.2   # both at once (as CI)
+    python scripts/compat.py --fast --parallel 0.8.3 0.9.2 0.11.2   # at once (as CI)
+    python scripts/compat.py --extras test,full 0.12.0.1@3.12       # JAX@Python
     python scripts/compat.py 0.9.2 -- -x tests/test_sharding.py   # pytest arguments
+
+A version may name the Python its venv is made from: `0.12.0.1@3.12` (a
+version found as `python3.12` on PATH or under pyenv's versions), or
+`0.12.0.1@/path/to/python`. Without one, jax >= 0.11 (which needs Python
+>= 3.12) takes Python 3.12 and older JAX this interpreter (--python).
 
 For each version it makes (or reuses) a venv under the cache directory
 (--cache-dir, $LAZYHARVEST_COMPAT_DIR, or ~/.cache/lazyharvest-compat),
-installs `jax==V jaxlib==V` and this checkout with its test extra from PyPI
-(`pip install -e ".[test]"`, so pip also checks V against the declared
-range), then runs pytest from the repository root. At the end it prints one
-row per version: passed / failed / errors / skipped / xfailed / xpassed, the
-suite's wall-clock seconds and CPU seconds (user + sys; on a shared machine
-the wall clock also counts waiting for a core), and the setup seconds.
+installs `jax==V jaxlib==V` and this checkout with the extras named by
+--extras from PyPI (default `test`: `pip install -e ".[test]"`, so pip also
+checks V against the declared range), then runs pytest from the repository
+root. At the end it prints one row per version: passed / failed / errors /
+skipped / xfailed / xpassed, the suite's wall-clock seconds and CPU seconds
+(user + sys; on a shared machine the wall clock also counts waiting for a
+core), and the setup seconds.
 
 Exit status: 0 when every suite passed; 1 when a suite failed; 2 when a venv
-could not be set up. Needs only Python >= 3.11 with the venv module and
-access to PyPI. See docs/compat.md.
+could not be set up (a Python that cannot be found says which and how to get
+it). Needs Python >= 3.11 with the venv module and access to PyPI. See
+docs/compat.md.
 """
 
 from __future__ import annotations
@@ -32,7 +40,11 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DEFAULT_VERSIONS = ("0.8.3", "0.9.2", "0.10.2")  # lazyharvest/_jax.py: TESTED_JAX_VERSIONS
+DEFAULT_VERSIONS = ("0.8.3", "0.9.2", "0.10.2", "0.11.2",
+                    "0.12.0.1")  # lazyharvest/_jax.py: TESTED_JAX_VERSIONS
+# JAX from 0.11 on needs Python >= 3.12: the Python its venvs are made from
+# unless a version names one.
+NEWER_JAX_PYTHON = "3.12"
 COUNTS = ("passed", "failed", "errors", "skipped", "xfailed", "xpassed")
 
 
@@ -56,11 +68,39 @@ def run(cmd: list[str], log) -> int:
     return proc.returncode
 
 
+def find_python(spec: str) -> str | None:
+    """An interpreter for `spec`: a path, or a version such as "3.12" found as
+    `python3.12` on PATH or as pyenv's `versions/3.12.*/bin/python`."""
+    if os.sep in spec:
+        return spec if os.access(spec, os.X_OK) else None
+    roots = [os.environ.get("PYENV_ROOT"), str(pathlib.Path.home() / ".pyenv")]
+    for root in filter(None, roots):
+        versions = pathlib.Path(root) / "versions"
+        matches = sorted(versions.glob(f"{spec}.*/bin/python"), reverse=True) + sorted(
+            versions.glob(f"{spec}/bin/python"))
+        if matches:
+            return str(matches[0])
+    # (a pyenv shim on PATH runs only the versions pyenv has selected: ask it)
+    found = shutil.which(f"python{spec}")
+    if found and subprocess.run([found, "-c", ""], capture_output=True).returncode == 0:
+        return found
+    return None
+
+
+def python_for(version: str, default: str) -> tuple[str, str | None]:
+    """(the JAX version, the interpreter for its venv, or None if missing)."""
+    version, _, spec = version.partition("@")
+    if not spec and tuple(int(p) for p in version.split(".")[:2]) >= (0, 11):
+        spec = NEWER_JAX_PYTHON
+    return version, (find_python(spec) if spec else default)
+
+
 def venv_python(venv: pathlib.Path) -> pathlib.Path:
     return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
-def setup(version: str, venv: pathlib.Path, python: str, fresh: bool, log) -> str | None:
+def setup(version: str, venv: pathlib.Path, python: str, fresh: bool, extras: str,
+          log) -> str | None:
     """Makes the venv and installs into it; returns jaxlib's version, or None."""
     if fresh and venv.exists():
         shutil.rmtree(venv)
@@ -69,7 +109,7 @@ def setup(version: str, venv: pathlib.Path, python: str, fresh: bool, log) -> st
         if run([python, "-m", "venv", str(venv)], log) != 0:
             return None
         run([str(py), "-m", "pip", "install", "-q", "--upgrade", "pip"], log)
-    rc = run([str(py), "-m", "pip", "install", "-q", "-e", f"{ROOT}[test]",
+    rc = run([str(py), "-m", "pip", "install", "-q", "-e", f"{ROOT}[{extras}]",
               f"jax=={version}", f"jaxlib=={version}"], log)
     if rc != 0:
         return None
@@ -176,7 +216,10 @@ def main() -> int:
                     help="run the versions' suites at once (one process each); each "
                          "suite's output is printed when it ends")
     ap.add_argument("--python", default=sys.executable,
-                    help="interpreter the venvs are made from (default: this one)")
+                    help="interpreter the venvs of jax < 0.11 are made from (default: "
+                         "this one)")
+    ap.add_argument("--extras", default="test",
+                    help="the extras installed with this checkout (default: %(default)s)")
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -197,12 +240,25 @@ def main() -> int:
 
     rows, status, t_start = [], 0, time.perf_counter()
     ready = []  # (version, venv, jaxlib version, setup seconds)
-    for version in args.versions:
-        venv = args.cache_dir / f"venv-jax-{version}"
-        print(f"\n=== jax {version}: {venv}", flush=True)
+    for spec in args.versions:
+        version, python = python_for(spec, args.python)
+        if python is None:
+            print(f"jax {version}: no Python {spec.partition('@')[2] or NEWER_JAX_PYTHON} "
+                  f"found (neither python{NEWER_JAX_PYTHON} on PATH nor under pyenv's "
+                  f"versions): install it (e.g. `pyenv install {NEWER_JAX_PYTHON}`) or "
+                  f"name one, as {version}@/path/to/python", file=sys.stderr, flush=True)
+            rows.append((version, "-", subset, dict.fromkeys(COUNTS, 0), 0.0, 0.0, 0.0,
+                         "NO PYTHON"))
+            status = max(status, 2)
+            continue
+        py_v = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                              capture_output=True, text=True).stdout.strip()
+        extras_tag = "" if args.extras == "test" else "-" + args.extras.replace(",", "-")
+        venv = args.cache_dir / f"venv-jax-{version}-py{py_v}{extras_tag}"
+        print(f"\n=== jax {version} on Python {py_v}: {venv}", flush=True)
         with open(args.cache_dir / f"jax-{version}.log", "w") as log:
             t0 = time.perf_counter()
-            jaxlib_v = setup(version, venv, args.python, args.fresh, log)
+            jaxlib_v = setup(version, venv, python, args.fresh, args.extras, log)
         if jaxlib_v is None:
             rows.append((version, "-", subset, dict.fromkeys(COUNTS, 0), 0.0, 0.0,
                          time.perf_counter() - t0, "SETUP FAILED"))

@@ -323,7 +323,7 @@ def _vjp_rule_sites(args: Sequence[Any], avals: Sequence[Any], params: dict) -> 
         return [*outs[len(outs) - n_out:], *leaves], res
 
     def call_bwd(res, cts):
-        return tuple(bwd.call_wrapped(*res, *map(_dense, cts[:n_out])))
+        return _jax.call_bwd(bwd, *res, *map(_dense, cts[:n_out]))
 
     g = jax.custom_vjp(_with_zeros(primal, rule))
     g.defvjp(call_fwd, call_bwd)

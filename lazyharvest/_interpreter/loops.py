@@ -299,7 +299,8 @@ def _trace_scan_body(run: Run, jaxpr: _jax.ClosedJaxpr, plan: _ScanPlants,
 
 
 def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, length,
-          num_consts, num_carry, reverse, **_) -> list:
+          reverse, **params) -> list:
+    num_consts, num_carry = _jax.scan_counts(params)
     per_iter = count_occurrences(jaxpr.jaxpr, run.harvest)
     plan = _ScanPlants.of(run, jaxpr.jaxpr, per_iter, length)
     owed_xs: list = []
@@ -364,23 +365,23 @@ def _highest_sowing(run: Run, eqn: _jax.JaxprEqn, jaxpr: _jax.ClosedJaxpr,
     body, _inner = trace_body(run, jaxpr.jaxpr, jaxpr.consts,
                               invar_avals(jaxpr.jaxpr) + xs_avals,
                               lambda extra: plan.body_run(extra, finding=True), len(plan.xs))
-    p = eqn.params
+    num_consts, num_carry = _jax.scan_counts(eqn.params)
     never = [np.bool_(False)]
 
     def sows(*args):
         outs, leaves = body.split_outs(_jax.eval_jaxpr(body.jaxpr, (), *args))
         per = dict(zip([s.key for s in body.sites], per_site(body.sites, leaves)))
-        return [*outs[:p["num_carry"]], *[per.get(sown_key(k), never)[0] for k in plan.owed]]
+        return [*outs[:num_carry], *[per.get(sown_key(k), never)[0] for k in plan.owed]]
     new_jaxpr, consts = _jax.trace_flat(
         sows, [jax.typeof(c) for c in body.consts] + invar_avals(jaxpr.jaxpr) + xs_avals)
     assert not consts
     nb = len(body.consts)
-    params = _scan_params(p, new_jaxpr, [nb, p["num_consts"], 0, p["num_carry"], 0,
-                                         len(jaxpr.jaxpr.invars) - p["num_consts"]
-                                         - p["num_carry"], len(plan.xs), 0])
+    params = _scan_params(eqn.params, new_jaxpr,
+                          [nb, num_consts, 0, num_carry, 0,
+                           len(jaxpr.jaxpr.invars) - num_consts - num_carry, len(plan.xs), 0])
     outs = bind(eqn, [*body.consts, *invals, *plan.xs], params)
     owed, none = [], []
-    for f, init in zip(outs[p["num_carry"]:], plan.owed_init):
+    for f, init in zip(outs[num_carry:], plan.owed_init):
         later = lax.cummax(f[::-1].astype(np.int32))[::-1]  # some iteration >= i sows
         later = jnp.concatenate([later[1:], jnp.zeros_like(later[:1])]) > 0
         owed.append(f & ~later & init)
@@ -391,14 +392,11 @@ def _highest_sowing(run: Run, eqn: _jax.JaxprEqn, jaxpr: _jax.ClosedJaxpr,
 def _scan_params(p: dict, new_jaxpr: _jax.Jaxpr, sizes: list[int]) -> dict:
     """The scan's params with the consts, carries and xs of `_scan_body` added."""
     nb, nc, n_owed, ncarry, n_clob, _n_xs, n_pxs, n_oxs = sizes
-    params = dict(p, jaxpr=_jax.ClosedJaxpr(new_jaxpr, ()),
-                  num_consts=nb + nc + n_owed, num_carry=ncarry + n_clob)
-    if "linear" in p:
-        lin = tuple(p["linear"])
-        params["linear"] = ((False,) * nb + lin[:nc] + (False,) * n_owed
+    return _jax.scan_params(
+        p, _jax.ClosedJaxpr(new_jaxpr, ()), nb + nc + n_owed, ncarry + n_clob,
+        linear=lambda lin: ((False,) * nb + lin[:nc] + (False,) * n_owed
                             + lin[nc:nc + ncarry] + (False,) * n_clob
-                            + lin[nc + ncarry:] + (False,) * (n_pxs + n_oxs))
-    return params
+                            + lin[nc + ncarry:] + (False,) * (n_pxs + n_oxs)))
 
 
 def _placeholders(run: Run, clob: list[Site]) -> None:
