@@ -5,6 +5,10 @@ every body eqn stays. A leaf inside a loop would then compile the whole loop.
 The rule here keeps the carries the wanted outputs need — through the body,
 to a fixed point, and every carry the condition reads, so the trip count is
 exact — and drops the rest. It is installed only while the slicer runs.
+
+JAX 0.12's DCE also drops a high-level primitive that only writes a Ref read
+later (`Scan3`, under `jax_scan3`); `_jax.keep_ref_writing_hi_prims` keeps it,
+so a slice computes what the eager program does.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lazyharvest import _jax
+
+_jax.keep_ref_writing_hi_prims()
 
 
 def _needed_carries(eqn: _jax.JaxprEqn, used_outputs: Sequence[bool]) -> list[bool]:

@@ -41,7 +41,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_VERSIONS = ("0.8.3", "0.9.2", "0.10.2", "0.11.2",
-                    "0.12.0.1")  # lazyharvest/_jax.py: TESTED_JAX_VERSIONS
+                    "0.12.0.1")  # lazyharvest/_jax/versions.py: TESTED_JAX_VERSIONS
 # JAX from 0.11 on needs Python >= 3.12: the Python its venvs are made from
 # unless a version names one.
 NEWER_JAX_PYTHON = "3.12"

@@ -7,8 +7,8 @@ import pytest
 from jax import lax
 
 import lazyharvest as lh
-from lazyharvest import _jax
 from helpers import close
+from lazyharvest import _jax
 
 sow = lh.sow
 

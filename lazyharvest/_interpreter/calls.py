@@ -1,4 +1,5 @@
-"""Rules for call-like primitives: `jit`, `closed_call`/`call`, `remat2`.
+"""Rules for call-like primitives: `jit`, `closed_call`/`call`, `remat2`, and
+the high-level primitives of JAX's opt-in `jax_*3` implementations (refused).
 
 `jit` keeps its boundary (a nested jit stays a jit call in the harvested
 program, so compile caches keep working); calls without semantics of their
@@ -7,7 +8,10 @@ own are evaluated in place.
 
 from __future__ import annotations
 
+import jax
+
 from lazyharvest import _jax
+from lazyharvest.errors import HarvestError
 from lazyharvest._interpreter.plumbing import finish, invar_avals, trace_body
 from lazyharvest._interpreter.run import EVAL_RULES, Run, bind
 
@@ -52,3 +56,20 @@ def _remat(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, **_) -> list:
 
 
 EVAL_RULES[_jax.remat_p] = _remat
+
+
+def _high_level(run: Run, eqn: _jax.JaxprEqn, invals: list, *, _prim, **_) -> list:
+    """Sites inside a high-level primitive are not harvested yet: refused,
+    naming the flag that made JAX stage it (docs/compat.md), rather than
+    left unreaped."""
+    flag = _jax.hi_prim_flag(_prim)
+    what = f"{type(_prim).__name__}" + (f", which JAX stages with {flag} on," if flag else "")
+    fix = (f" Turn the flag off for this program (jax.config.update({flag!r}, False))"
+           if flag else "")
+    raise HarvestError(
+        f"harvest of tag {run.harvest.tag!r}: sites inside {what} are not supported "
+        f"yet on jax {jax.__version__}.{fix}, or move the sow outside it.")
+
+
+if _jax.call_hi_primitive_p is not None:  # (jax >= 0.12)
+    EVAL_RULES[_jax.call_hi_primitive_p] = _high_level

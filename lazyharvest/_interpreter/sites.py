@@ -66,6 +66,8 @@ def sub_jaxprs(params: dict) -> Iterable[_jax.Jaxpr]:
                 yield x.jaxpr
             elif isinstance(x, _jax.Jaxpr):
                 yield x
+            else:  # a high-level primitive's bodies (jax >= 0.12, `jax_*3` flags)
+                yield from (getattr(j, "jaxpr", j) for j in _jax.hi_prim_jaxprs(x))
 
 
 _HAS_SITES: dict = {}

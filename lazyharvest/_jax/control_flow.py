@@ -1,0 +1,61 @@
+"""Params of the control-flow primitives the package rewrites (scan's
+counts of consts and carries) and the vmap rule of `lax.cond`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """A scan eqn's (number of consts, number of carries).
+
+    jax < 0.11 has them as params `num_consts`, `num_carry`; jax >= 0.11
+    describes the operands by a flat tree `ft_in` of (consts, carry, xs).
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _xs = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
+def scan_params(params: dict, jaxpr: Any, num_consts: int, num_carry: int,
+                linear: Callable[[tuple], tuple] | None = None) -> dict:
+    """`params` of a scan with the body `jaxpr` (closed), `num_consts` consts
+    and `num_carry` carries (the rest of its inputs are xs, of its outputs
+    ys). `linear(old)` gives the new per-input `linear` flags where JAX has
+    them (jax < 0.11; all False if not given)."""
+    if "num_consts" in params:
+        out = dict(params, jaxpr=jaxpr, num_consts=num_consts, num_carry=num_carry)
+        if "linear" in params:
+            n = len(jaxpr.in_avals)
+            out["linear"] = (tuple(linear(tuple(params["linear"]))) if linear
+                             else (False,) * n)
+        return out
+    # (jax >= 0.11 only)
+    from jax._src import flattree as _ft  # type: ignore[attr-defined]
+
+    n_xs = len(jaxpr.in_avals) - num_consts - num_carry
+    n_ys = len(jaxpr.out_avals) - num_carry
+    return dict(params, jaxpr=jaxpr,
+                ft_in=_ft.pack((_ft.nones(num_consts), _ft.nones(num_carry),
+                                _ft.nones(n_xs))),
+                ft_out=_ft.pack((_ft.nones(num_carry), _ft.nones(n_ys))))
+
+
+def wrap_cond_batcher(make_rule: Callable[[Callable], Callable]) -> None:
+    """Replaces the vmap rule of `lax.cond` by `make_rule(original_rule)`."""
+    from jax._src.lax.control_flow import conditionals as _cond
+
+    batchers = _jax_batching_private().fancy_primitive_batchers
+    original = batchers[_cond.cond_p]
+    if getattr(original, "_lazyharvest", False):
+        return
+    rule = make_rule(original)
+    rule._lazyharvest = True  # type: ignore[attr-defined]
+    batchers[_cond.cond_p] = rule
+
+
+def _jax_batching_private():
+    from jax._src.interpreters import batching as _batching
+    return _batching

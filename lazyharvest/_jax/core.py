@@ -1,0 +1,384 @@
+"""JAX's core, as the package uses it: jaxpr types, JAX's higher-order
+primitives as objects, tracing a function to a jaxpr, evaluating and
+re-binding eqns, tracers and traces, and registering effects and batchers."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax._src import array as _array
+from jax._src import config as _config
+from jax._src import core as _core
+from jax._src import effects as _effects
+from jax._src import sharding_impls as _sharding_impls
+from jax._src import source_info_util as _source_info_util
+from jax._src import traceback_util as _traceback_util
+from jax._src import tree_util as _tree_util
+from jax._src.interpreters import partial_eval as _pe
+from jax.api_util import debug_info as _debug_info
+from jax.api_util import flatten_fun_nokwargs as _flatten_fun_nokwargs
+from jax.extend import linear_util as lu
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Var  # noqa: F401  (re-exported to the package)
+from jax.interpreters import ad, batching, mlir
+from jax.interpreters import partial_eval as pe
+
+# jax >= 0.10 exports these from jax.extend.core; 0.8 and 0.9 keep them in _src.
+try:
+    from jax.extend.core import Effect, new_jaxpr_eqn  # noqa: F401
+except ImportError:  # jax < 0.10
+    from jax._src.core import new_jaxpr_eqn
+    from jax._src.effects import Effect  # noqa: F401
+
+from lazyharvest._jax.versions import BIND_PARAMS_SPLIT, MERGED_JAXPR
+
+Zero = ad.Zero
+
+
+def _open(jaxpr: Jaxpr, consts: Sequence[Any]) -> Jaxpr:
+    """A traced jaxpr as jax < 0.12 gives it: its constvars apart from its
+    invars (on jax >= 0.12, by attaching `consts`)."""
+    if MERGED_JAXPR and consts and not jaxpr.consts:  # type: ignore[attr-defined]
+        return jaxpr.with_consts(list(consts))  # type: ignore[attr-defined]
+    return jaxpr
+
+
+UNSPECIFIED = _sharding_impls.UNSPECIFIED
+
+
+
+def _primitives() -> dict[str, Primitive]:
+    from jax._src import custom_batching as _custom_batching
+    from jax._src import custom_derivatives as _custom_derivatives
+    from jax._src import shard_map as _shard_map
+    from jax.extend.core import primitives as _prims
+
+    return {
+        "jit_p": _prims.jit_p, "scan_p": _prims.scan_p, "while_p": _prims.while_p,
+        "cond_p": _prims.cond_p, "remat_p": _prims.remat_p,
+        "closed_call_p": _prims.closed_call_p, "call_p": _prims.call_p,
+        "custom_jvp_call_p": _prims.custom_jvp_call_p,
+        "custom_vjp_call_p": _prims.custom_vjp_call_p,
+        "shard_map_p": _shard_map.shard_map_p,
+        "custom_vmap_p": _custom_batching.custom_vmap_p,
+        "remat_opt_p": _custom_derivatives.remat_opt_p,
+    }
+
+
+_P = _primitives()
+jit_p = _P["jit_p"]
+scan_p = _P["scan_p"]
+while_p = _P["while_p"]
+cond_p = _P["cond_p"]
+remat_p = _P["remat_p"]
+closed_call_p = _P["closed_call_p"]
+call_p = _P["call_p"]
+custom_jvp_call_p = _P["custom_jvp_call_p"]
+custom_vjp_call_p = _P["custom_vjp_call_p"]
+shard_map_p = _P["shard_map_p"]
+custom_vmap_p = _P["custom_vmap_p"]  # jax.custom_batching.custom_vmap / sequential_vmap
+remat_opt_p = _P["remat_opt_p"]  # custom_vjp(optimize_remat=True), once differentiated
+
+
+# --- high-level primitives (jax >= 0.12): JAX's next implementations ---------------
+# With `jax_scan3`, `jax_remat3`, `jax_custom_vjp3` or `jax_custom_jvp3` on,
+# `lax.scan`, `jax.checkpoint`, `jax.custom_vjp` and `jax.custom_jvp` stage a
+# `call_hi_primitive` eqn whose `_prim` param is a `HiPrim` object holding the
+# body's jaxprs. Older JAX has neither.
+
+def _high_level() -> tuple[Primitive | None, type | None, dict[type, str]]:
+    try:
+        from jax._src import hijax as _hijax  # type: ignore[attr-defined]
+    except ImportError:  # (older JAX)
+        return None, None, {}
+    from jax._src import ad_checkpoint as _ad_checkpoint
+    from jax._src.lax.control_flow import loops as _loops
+
+    flags = {}
+    for module, cls, flag in ((_loops, "Scan3", "jax_scan3"),
+                              (_ad_checkpoint, "RematTraced", "jax_remat3"),
+                              (_hijax, "CustomVJPTraced", "jax_custom_vjp3"),
+                              (_hijax, "CustomJVPTraced", "jax_custom_jvp3")):
+        if hasattr(module, cls):
+            flags[getattr(module, cls)] = flag
+    # (the base class is `HiPrim` from jax 0.11, `VJPHiPrimitive` before)
+    base = getattr(_hijax, "HiPrim", None) or getattr(_hijax, "VJPHiPrimitive", None)
+    return getattr(_hijax, "call_hi_primitive_p", None), base, flags
+
+
+# `call_hi_primitive_p` (None where JAX lacks it), the class of the `_prim`
+# objects it carries, and the flag that makes JAX stage each kind of them.
+call_hi_primitive_p, _HI_PRIM, HI_PRIM_FLAGS = _high_level()
+
+
+def hi_prim_jaxprs(x: Any) -> list:
+    """The jaxprs a high-level primitive object (the `_prim` param of a
+    `call_hi_primitive` eqn) holds, at any depth; [] for anything else."""
+    if _HI_PRIM is None or not isinstance(x, _HI_PRIM):
+        return []
+    from jax._src import hijax as _hijax  # type: ignore[attr-defined]
+
+    nested = getattr(_hijax, "_pp_hi_subjaxprs", None)  # (jax >= 0.12)
+    if nested is not None:
+        return [j for _name, j in nested(x)]
+    return list(_core.jaxprs_in_params(getattr(x, "params", {})))
+
+
+def hi_prim_flag(x: Any) -> str | None:
+    """The `jax_*3` flag under which JAX stages this `HiPrim`, if one does."""
+    for cls, flag in HI_PRIM_FLAGS.items():
+        if isinstance(x, cls):
+            return flag
+    return None
+
+
+
+def hide_frames_below(path: str) -> None:
+    """Frames from files under `path` are dropped from users' tracebacks."""
+    _traceback_util.register_exclusion(path)
+
+
+api_boundary = _traceback_util.api_boundary
+
+
+def closed_call(fn: Callable, *args: Any) -> list:
+    """Calls `fn` through JAX's `closed_call` primitive (tests use it)."""
+    from jax.extend.core import primitives as _prims
+
+    flat = list(args)
+    jaxpr, consts = trace_flat(lambda *a: list(fn(*a)), [jax.typeof(x) for x in flat])
+    params = get_bind_params(_prims.closed_call_p,
+                              {"call_jaxpr": ClosedJaxpr(jaxpr, consts)})
+    return bind_with_params(_prims.closed_call_p, flat, params)
+
+
+def register_effect(effect_type: type) -> None:
+    """Allow an unordered effect everywhere a site may appear."""
+    mlir.lowerable_effects.add_type(effect_type)
+    _effects.control_flow_allowed_effects.add_type(effect_type)
+    _effects.custom_derivatives_allowed_effects.add_type(effect_type)
+    _effects.remat_allowed_effects.add_type(effect_type)
+    _effects.partial_eval_kept_effects.add_type(effect_type)
+
+
+def register_batcher(prim: Primitive, rule: Callable) -> None:
+    batching.primitive_batchers[prim] = rule
+
+
+def replace_eqn_params(eqn: JaxprEqn, **params: Any) -> JaxprEqn:
+    return new_jaxpr_eqn(eqn.invars, eqn.outvars, eqn.primitive,
+                         dict(eqn.params, **params), eqn.effects,
+                         eqn.source_info, eqn.ctx)
+
+
+def identity_eqn(eqn: JaxprEqn) -> JaxprEqn:
+    """An eqn with `eqn`'s inputs and outputs that passes its inputs on: a
+    `closed_call` of a jaxpr with no eqns."""
+    body = _identity_jaxpr(tuple(v.aval for v in eqn.invars))
+    return new_jaxpr_eqn(eqn.invars, eqn.outvars, closed_call_p, {"call_jaxpr": body},
+                         set(), eqn.source_info, eqn.ctx)
+
+
+@functools.lru_cache(maxsize=256)
+def _identity_jaxpr(avals: tuple) -> ClosedJaxpr:
+    jaxpr, consts = trace_flat(lambda *a: list(a), list(avals))
+    return ClosedJaxpr(jaxpr, consts)
+
+
+def in_eager_mode() -> bool:
+    """True when no transformation or tracing is active."""
+    return isinstance(_core.trace_ctx.trace, _core.EvalTrace)
+
+
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, _core.Tracer)
+
+
+def any_tracer(xs: Sequence[Any]) -> bool:
+    tracer = _core.Tracer
+    for x in xs:  # noqa: SIM110  (a plain loop: this runs on every call)
+        if isinstance(x, tracer):
+            return True
+    return False
+
+
+def tracer_is_dead(x: Any) -> bool:
+    """A tracer whose trace is not among the active ones (it has ended)."""
+    if not isinstance(x, _core.Tracer):
+        return False
+    if not x._trace.is_valid():
+        return True
+    t = _core.trace_ctx.trace
+    while t is not None:
+        if t is x._trace:
+            return False
+        t = getattr(t, "parent_trace", None)
+    return True
+
+
+# The part of JAX's configuration that jit keys its trace cache on (user
+# contexts, lazyharvest's harvest state among them). Bound directly: it runs
+# on every call of a reaped function.
+trace_context: Callable[[], Any] = _config.trace_context
+
+# The type of concrete jax.Arrays: pytree leaves.
+ArrayImpl: type = _array.ArrayImpl
+
+# `jax.tree_util.tree_flatten(tree)` without its Python frame (hot path).
+tree_flatten: Callable[[Any], tuple[list, Any]] = _tree_util.default_registry.flatten
+
+
+def trace_flat(fn: Callable, in_avals: Sequence[Any], name: str = "lazyharvest"
+               ) -> tuple[Jaxpr, list[Any]]:
+    """Traces `fn(*flat) -> list` to an open jaxpr and the consts it closed over.
+
+    Closed-over values (outer tracers included) come back as consts so callers
+    can pass them explicitly; nothing is evaluated.
+    """
+    dbg = _debug_info(name, fn, tuple(in_avals), {})
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fn, debug_info=dbg),
+                                                 list(in_avals))
+    return _open(jaxpr, consts), list(consts)
+
+
+def trace_pytree(fn: Callable, in_tree: Any, in_avals: Sequence[Any],
+                 name: str = "lazyharvest") -> tuple[ClosedJaxpr, Any]:
+    """Traces a pytree function on flat avals; returns (closed jaxpr, out tree)."""
+    dbg = _debug_info(name, fn, tuple(in_avals), {})
+    flat_fn, out_tree = _flatten_fun_nokwargs(lu.wrap_init(fn, debug_info=dbg), in_tree)
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(flat_fn, list(in_avals))
+    return ClosedJaxpr(jaxpr, consts), out_tree()
+
+
+def consts_as_invars(jaxpr: Jaxpr) -> Jaxpr:
+    """Moves constvars to the front of invars."""
+    return _pe.convert_constvars_jaxpr(jaxpr)
+
+
+def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], *args: Any) -> list[Any]:
+    return jax.core.eval_jaxpr(jaxpr, consts, *args)
+
+
+def bind_params(eqn: JaxprEqn, params: dict | None = None) -> dict:
+    """The parameters to re-bind `eqn`'s primitive with (subfuns for custom calls).
+
+    Always in jax >= 0.9's form: a dict, with a call's functions under
+    `"subfuns"`; `bind_eqn` binds it on every version.
+    """
+    return get_bind_params(eqn.primitive, eqn.params if params is None else params)
+
+
+def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any], params: dict | None = None) -> Any:
+    """`eqn`'s primitive bound on `invals` (with `params` instead of its own)."""
+    return bind_with_params(eqn.primitive, invals, bind_params(eqn, params))
+
+
+def get_bind_params(prim: Primitive, params: dict) -> dict:
+    out = prim.get_bind_params(params)
+    if BIND_PARAMS_SPLIT:
+        subfuns, out = out
+        if subfuns:
+            out = dict(out, subfuns=tuple(subfuns))
+    return out
+
+
+def bind_with_params(prim: Primitive, invals: Sequence[Any], bind_params: dict) -> Any:
+    if BIND_PARAMS_SPLIT and "subfuns" in bind_params:
+        bind_params = dict(bind_params)
+        subfuns = bind_params.pop("subfuns")
+        return prim.bind(*subfuns, *invals, **bind_params)
+    return prim.bind(*invals, **bind_params)
+
+
+def eval_eqns(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+              eval_eqn: Callable[[JaxprEqn, list], list], in_context: bool = False) -> list:
+    """Evaluates `jaxpr`, each eqn by `eval_eqn(eqn, invals) -> outvals`; with
+    `in_context`, under the eqn's source info and JAX context (as re-binding)."""
+    env: dict = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    # (jax >= 0.12: constvars without attached values are leading invars)
+    env.update(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]))
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if in_context:
+            with eqn_source(eqn), eqn.ctx.manager:
+                outs = eval_eqn(eqn, invals)
+        else:
+            outs = eval_eqn(eqn, invals)
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def eqn_source(eqn: JaxprEqn) -> Any:
+    """The context to re-bind `eqn` in, part 1: its source info and name stack
+    (so `jax.named_scope` names reach the HLO), as `jax.core.eval_jaxpr` does."""
+    info = eqn.source_info
+    return _source_info_util.user_context(
+        info.traceback, name_stack=_source_info_util.current_name_stack() + info.name_stack)
+
+
+def eqn_context(eqn: JaxprEqn) -> Any:
+    """Part 2: JAX's per-eqn context (compute type, xla metadata, ...)."""
+    return eqn.ctx.manager
+
+
+def effects_of(jaxpr: Jaxpr) -> Any:
+    return jaxpr.effects
+
+
+def axis_env(name_sizes: Sequence[tuple[Any, int]]):
+    """Binds vmap axis names (for collectives) while tracing a per-example body."""
+
+    if not name_sizes:
+        return contextlib.nullcontext()
+    return _core.extend_axis_env_nd(list(name_sizes))
+
+
+def parent_trace(trace: Any) -> Any:
+    return trace.parent_trace
+
+
+def traces_below(trace: Any) -> list:
+    """`trace`, its parent trace, that one's parent, and so on."""
+    out = []
+    while trace is not None:
+        out.append(trace)
+        trace = getattr(trace, "parent_trace", None)
+    return out
+
+
+def current_trace(trace: Any):
+    return _core.set_current_trace(trace)
+
+
+def zeros_like_aval(aval: Any) -> Any:
+    """Zeros of `aval` exactly (weak type, float0, key dtypes), on the
+    current trace: a stand-in for a value only its aval matters of."""
+    from jax._src import ad_util as _ad_util
+
+    return _ad_util.zeros_like_aval(aval)
+
+
+def folds_constants(trace: Any, args: Sequence[Any]) -> bool:
+    """Whether `trace` would evaluate an op on `args` right away instead of
+    staging it (inside `jax.ensure_compile_time_eval`)."""
+    return (isinstance(trace, _pe.DynamicJaxprTrace)
+            and _config.eager_constant_folding.value and not any_tracer(args))
+
+
+def stage_unfolded(trace: Any, prim: Primitive, args: Sequence[Any], params: dict) -> Any:
+    """Stages `prim` on the jaxpr trace `trace` even where constant folding
+    would evaluate it."""
+    info = _source_info_util.current()
+    tracers = [trace.to_jaxpr_tracer(x, info) for x in args]
+    return trace.default_process_primitive(prim, tracers, params, info)
+
+
+def no_constant_folding():
+    return _config.eager_constant_folding(False)

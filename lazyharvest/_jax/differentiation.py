@@ -1,0 +1,275 @@
+"""Hooks into JAX's differentiation: linearization rules, bind hooks for
+custom calls, tangents and zeros on a differentiation trace, and the
+transposes of jit/scan/cond that must run a body holding sites."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax._src import core as _core
+from jax._src import source_info_util as _source_info_util
+from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import partial_eval as _pe
+from jax.extend import linear_util as lu
+from jax.interpreters import partial_eval as pe
+
+from lazyharvest._jax.core import (
+    ClosedJaxpr,
+    Jaxpr,
+    JaxprEqn,
+    Primitive,
+    Zero,
+    no_constant_folding,
+    scan_p,
+    trace_flat,
+)
+from lazyharvest._jax.partial_eval import keep_effect, keep_staged
+from lazyharvest._jax.versions import BIND_TAKES_AVALS, BWD_RETURNS_LOGS, LINEARIZE_STRUCTURED
+
+
+def register_remat_rule(prim: Primitive, rule: Callable) -> None:
+    pe.partial_eval_jaxpr_custom_rules[prim] = rule
+
+
+def remat_rule(prim: Primitive) -> Callable:
+    """The rule `register_remat_rule` registered for `prim`."""
+    return pe.partial_eval_jaxpr_custom_rules[prim]
+
+
+def register_bind_hook(prim: Primitive, make_rule: Callable[[Callable], Callable]) -> None:
+    """Every bind of `prim` goes through `make_rule(default)(trace, args, avals,
+    params)`; `default` is JAX's own `bind_with_trace`."""
+    default = type(prim).bind_with_trace  # a custom call's class has its own
+    if BIND_TAKES_AVALS:
+        def base(trace, args, avals, params):
+            return default(prim, trace, args, avals, params)
+        prim.def_bind_with_trace(make_rule(base))
+    else:  # jax < 0.9: bind_with_trace(trace, args, params), no avals
+        def base(trace, args, avals, params):
+            return default(prim, trace, args, params)
+        rule = make_rule(base)
+        prim.def_bind_with_trace(lambda trace, args, params: rule(
+            trace, args, tuple(jax.typeof(x) for x in args), params))
+    # The hook's frames are not the user's: keep them out of eqns' source info.
+    for path in (__file__, make_rule.__code__.co_filename):
+        if path not in _source_info_util._exclude_paths:
+            _source_info_util.register_exclusion(path)
+
+
+def replace_subfuns(params: dict, make: Callable[..., tuple | None]) -> dict:
+    """`params` of a custom call's bind with its functions (`fun, jvp` or `fun,
+    fwd, bwd`, JAX's wrapped functions) replaced by `make(*subfuns)`, unless it
+    returns None. jax 0.8 passes them outside `params`: left alone there."""
+    subfuns = params.get("subfuns")
+    new = None if subfuns is None else make(*subfuns)
+    return params if new is None else dict(params, subfuns=new)
+
+
+def call_bwd(bwd: Any, *args: Any) -> tuple:
+    """The cotangents a custom_vjp call's wrapped backward function `bwd`
+    (from `params["subfuns"]`) gives for `args` (residuals, then cotangents)."""
+    out = bwd.call_wrapped(*args)
+    return tuple(out[0] if BWD_RETURNS_LOGS else out)
+
+
+def wrapped_like(fn: Callable, like: Any) -> Any:
+    """`fn` as a JAX wrapped function, for a custom call's `subfuns`."""
+    return lu.wrap_init(fn, debug_info=like.debug_info)
+
+
+def trace_wrapped(fun: Any, args: Sequence[Any]) -> tuple[Jaxpr, list[Any]]:
+    """Traces the wrapped function `fun` at `args`' types (`trace_flat`),
+    leaving the output stores it fills empty: JAX fills and reads them when it
+    calls `fun` (or its rule) itself."""
+    return trace_wrapped_avals(fun, [jax.typeof(x) for x in args])
+
+
+def trace_wrapped_avals(fun: Any, avals: Sequence[Any], call: Callable | None = None
+                        ) -> tuple[Jaxpr, list[Any]]:
+    """`trace_wrapped` at these avals; `call(*args)` calls `fun` (default:
+    `fun.call_wrapped`)."""
+    empty = [s for s in fun.stores if s is not None and not _store_full(s)]
+    try:
+        return trace_flat(lambda *a: list((call or fun.call_wrapped)(*a)), avals,
+                          name="custom function")
+    finally:
+        for s in empty:
+            getattr(s, "_store", s).reset()
+
+
+def _store_full(store: Any) -> bool:
+    return bool(getattr(store, "_store", store))
+
+
+def _to_jax_linearization(rule: Callable) -> Callable:
+    """A rule in the four-value form as the running JAX calls rules."""
+    if not LINEARIZE_STRUCTURED:
+        return rule
+
+    def structured(is_vjp, *args, **params):
+        primals_out, nzs_out, residuals, linearized = rule(is_vjp, *args, **params)
+        return (primals_out, nzs_out, residuals, None,
+                lambda res, _structured, *tangents: linearized(res, *tangents))
+    return structured
+
+
+def register_linearization(prim: Primitive, rule: Callable) -> None:
+    """`rule(is_vjp, nonzeros, *primals, **params) -> (primals_out,
+    nonzeros_out, residuals, linearized)`; `linearized(residuals, *tangents)`
+    runs on the tangent trace."""
+    _ad.primitive_linearizations[prim] = _to_jax_linearization(rule)
+
+
+linearization_rules = _ad.primitive_linearizations  # (tests remove sow's to break it)
+
+
+def differentiation_kind(trace: Any) -> str | None:
+    """"jvp" for a `jax.jvp` trace, "linearize" / "vjp" for the traces of
+    `jax.linearize` / `jax.vjp` and `jax.grad`; None for any other trace."""
+    if isinstance(trace, _ad.JVPTrace):
+        return "jvp"
+    if isinstance(trace, _ad.LinearizeTrace):
+        return "vjp" if trace.is_vjp else "linearize"
+    return None
+
+
+def under_differentiation() -> bool:
+    """Whether a differentiation (or its partial evaluation) is among the
+    current traces, so values bound now may end up in a derived program."""
+    trace = _core.trace_ctx.trace
+    while trace is not None:
+        if isinstance(trace, (_ad.JVPTrace, _ad.LinearizeTrace, _pe.JaxprTrace)):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+def has_tangent(trace: Any, x: Any) -> bool:
+    """`x` carries a nonzero tangent of the differentiation trace `trace`."""
+    return type(trace.to_primal_tangent_pair(x)[1]) is not Zero
+
+
+def primal_of(trace: Any, x: Any) -> Any:
+    """The primal value of `x` at the differentiation trace `trace`."""
+    return trace.to_primal_tangent_pair(x)[0]
+
+
+def differentiable(aval: Any) -> bool:
+    """A value of this aval has tangents (float or complex, not int/bool)."""
+    return aval.to_tangent_aval().dtype != jax.dtypes.float0
+
+
+def tangent_trace(trace: Any) -> Any:
+    """The trace tangents of a differentiation trace are computed on."""
+    return getattr(trace, "tangent_trace", None) or trace.parent_trace
+
+
+def zeros_tangent(aval: Any) -> Any:
+    """Instantiated zeros of the tangent type of `aval`, on the current trace."""
+    from jax._src import ad_util as _ad_util
+
+    return _ad_util.zeros_like_aval(aval.to_tangent_aval())
+
+
+def linear_zero(aval: Any) -> Any:
+    """Zeros of the tangent type of `aval`, on the current (tangent) trace of
+    a `jax.vjp`, that the backward pass treats as linear: a cotangent reaches
+    the eqns that use them. (An eqn of the backward pass is transposed only if
+    some input is linear; a value read from a fresh reference is, as JAX's own
+    references are.)"""
+    return _core.freeze(_core.new_ref(zeros_tangent(aval)))
+
+
+def with_tangent(trace: Any, primal: Any, tangent: Any) -> Any:
+    """The tracer of the `jax.linearize`/`jax.vjp` trace `trace` for a primal
+    value (on its parent trace) and its tangent (on its tangent trace)."""
+    return _ad.LinearizeTracer(trace, primal, tangent)
+
+
+def with_zero_tangent(trace: Any, x: Any, linear: bool) -> Any:
+    """`x` as a tracer of the differentiation trace `trace` with a zero
+    tangent (one the backward pass treats as linear, with `linear`)."""
+    x = primal_of(trace, x)
+    aval = jax.typeof(x)
+    if isinstance(trace, _ad.JVPTrace):
+        with _core.set_current_trace(trace.parent_trace):
+            return _ad.JVPTracer(trace, x, zeros_tangent(aval))
+    with _core.set_current_trace(trace.tangent_trace), no_constant_folding():
+        zero = linear_zero(aval) if linear else zeros_tangent(aval)
+    return _ad.LinearizeTracer(trace, x, zero)
+
+
+def under_linearization(trace: Any) -> bool:
+    """Whether a `jax.linearize`/`jax.vjp` trace or a partial evaluation is
+    below `trace` (its values may end up in a linear function)."""
+    while trace is not None:
+        if isinstance(trace, (_ad.LinearizeTrace, _pe.JaxprTrace)):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+def records_program(trace: Any) -> bool:
+    """Whether values bound on a `jax.jvp` trace end up in a traced program
+    (False when every trace below is a JVP trace over eager evaluation)."""
+    while isinstance(trace, _ad.JVPTrace):
+        trace = trace.parent_trace
+    return not isinstance(trace, _core.EvalTrace)
+
+
+def wrap_linearization(prim: Primitive, keep: Callable[[JaxprEqn], bool],
+                       forward_only: bool = False) -> None:
+    """`prim`'s linearization keeps the tangent eqns `keep` selects (a jit,
+    scan or cond holding tangent sites whose outputs nobody uses); with
+    `forward_only`, under `jax.linearize` only, not `jax.vjp`."""
+    original = _ad.primitive_linearizations.get(prim)
+    if original is None:  # JAX linearizes `prim` from its JVP rule
+        original = functools.partial(_ad.fallback_linearize_rule, prim)
+    if getattr(original, "_lazyharvest", False):
+        return
+
+    def rule(is_vjp, *args, **params):
+        if is_vjp and forward_only:
+            return original(is_vjp, *args, **params)
+        # (four values, or five with structured residuals on jax >= 0.11)
+        *head, linearized = original(is_vjp, *args, **params)
+
+        def kept(*a, **k):
+            with keep_staged(keep):
+                return linearized(*a, **k)
+        return (*head, kept)
+    rule._lazyharvest = True  # type: ignore[attr-defined]
+    _ad.primitive_linearizations[prim] = rule
+
+
+def wrap_transpose(prim: Primitive, keep: Callable[[dict], bool]) -> None:
+    """`prim`'s transpose (jit, scan, cond) runs the backward pass of its body even
+    when every cotangent reaching it is zero, if `keep(params)`: JAX skips a
+    body whose cotangents are all zero unless it has effects, and a site
+    there still records its (zero) cotangent."""
+    original = _ad.fancy_transposes.get(prim)
+    if original is None or getattr(original, "_lazyharvest", False):
+        return
+
+    def shown(x: Any) -> Any:
+        if isinstance(x, ClosedJaxpr):
+            inner = x.jaxpr.replace(effects=x.jaxpr.effects | {keep_effect})
+            return ClosedJaxpr(inner, x.consts)
+        if isinstance(x, tuple):
+            return tuple(shown(y) for y in x)
+        return x
+
+    def rule(cts_in, *args, **params):
+        if all(type(c) is Zero for c in cts_in) and keep(params):
+            params = {n: shown(v) for n, v in params.items()}
+        if prim is scan_p and any(type(c) is Zero for c in cts_in):
+            # A scan kept for its sites may get a symbolic-zero cotangent for
+            # its stacked outputs (JAX's DCE would have dropped them), which
+            # JAX's scan transpose does not slice per iteration.
+            cts_in = [_ad.instantiate_zeros(c) for c in cts_in]
+        return original(cts_in, *args, **params)
+    rule._lazyharvest = True  # type: ignore[attr-defined]
+    _ad.fancy_transposes[prim] = rule

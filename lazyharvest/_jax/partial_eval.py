@@ -1,0 +1,362 @@
+"""Partial evaluation and dead-code elimination: DCE rules (and JAX's own,
+wrapped to look inside eqns holding sites), eqns kept staged on a tangent
+trace, partial-eval rules that keep staged bodies, cond's partial eval, and
+sites kept inside scan loops when JAX hoists loop invariants."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax._src import core as _core
+from jax._src import effects as _effects
+from jax._src import util as _util
+from jax._src.interpreters import partial_eval as _pe
+from jax.interpreters import partial_eval as pe
+
+from lazyharvest._jax.control_flow import scan_counts, scan_params
+from lazyharvest._jax.core import (
+    ClosedJaxpr,
+    Effect,
+    Jaxpr,
+    JaxprEqn,
+    Primitive,
+    cond_p,
+    jit_p,
+    new_jaxpr_eqn,
+    scan_p,
+    trace_flat,
+)
+from lazyharvest._jax.versions import DCE_LIVE_INPUTS
+
+
+def dce(jaxpr: Jaxpr, used_outputs: Sequence[bool],
+        instantiate: bool | Sequence[bool] = True) -> tuple[Jaxpr, list[bool]]:
+    """JAX's DCE: (the jaxpr computing `used_outputs`, which inputs it uses)."""
+    if not isinstance(instantiate, bool):
+        instantiate = list(instantiate)
+    return pe.dce_jaxpr(jaxpr, list(used_outputs), instantiate=instantiate)
+
+
+def extra_dce_rules(rules: dict):
+    """DCE rules in force only inside this block (for primitives JAX has none for)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def installed():
+        table = pe.dce_rules
+        saved = {p: table[p] for p in rules if p in table}
+        table.update({p: _to_jax_dce(r) for p, r in rules.items()})
+        try:
+            yield
+        finally:
+            for p in rules:
+                if p in saved:
+                    table[p] = saved[p]
+                else:
+                    table.pop(p, None)
+    return installed()
+
+
+def _to_jax_dce(rule: Callable) -> Callable:
+    """A `rule(used_outputs, eqn)` as the running JAX calls DCE rules."""
+    if not DCE_LIVE_INPUTS:
+        return rule
+    return lambda used_outputs, live_inputs, eqn: rule(used_outputs, eqn)
+
+
+def _call_jax_dce(rule: Callable, used_outputs: Sequence[bool], eqn: JaxprEqn,
+                  live_inputs: Sequence[bool] | None = None) -> tuple[list, Any]:
+    """JAX's DCE `rule` on `eqn` (every Ref input live unless told)."""
+    if not DCE_LIVE_INPUTS:
+        return rule(list(used_outputs), eqn)
+    live = [True] * len(eqn.invars) if live_inputs is None else list(live_inputs)
+    return rule(list(used_outputs), live, eqn)
+
+
+def register_dce_rule(prim: Primitive, rule: Callable) -> None:
+    """`rule(used_outputs, eqn) -> (used_inputs, eqn or None)`."""
+    pe.dce_rules[prim] = _to_jax_dce(rule)
+
+
+def default_dce_rule(used_outputs: Sequence[bool], eqn: JaxprEqn) -> tuple[list, Any]:
+    return _call_jax_dce(_pe._default_dce_rule, used_outputs, eqn)
+
+
+class _KeepEffect(Effect):
+    """Shown transiently to JAX's DCE rules of jit/scan/cond so they look
+    inside an eqn none of whose outputs is used; never stored in a jaxpr."""
+
+
+keep_effect = _KeepEffect()
+
+
+@contextlib.contextmanager
+def keep_staged(keep: Callable[[JaxprEqn], bool]):
+    """Eqns staged inside the block for which `keep(eqn)` holds stay in the
+    current jaxpr trace until it ends, even if nothing uses their outputs.
+
+    JAX's tangent traces (`auto_dce`) hold effect-free eqns by weak reference:
+    this turns those references into strong ones, as for effectful eqns.
+    """
+    frame = getattr(_core.trace_ctx.trace, "frame", None)
+    if frame is None or not frame.auto_dce:
+        yield
+        return
+    start = len(frame.tracing_eqns)
+    frame.auto_dce = False  # hold every eqn staged in the block, even output-less ones
+    try:
+        yield
+    finally:
+        frame.auto_dce = True
+        staged = frame.tracing_eqns
+        for i in range(start, len(staged)):
+            held = staged[i]
+            if isinstance(held, weakref.ReferenceType):
+                continue
+            # (jax < 0.10 holds an eqn strongly through a thunk, `lambda: eqn`)
+            eqn = held() if callable(held) else held
+            if not eqn.effects and not keep(eqn):
+                staged[i] = weakref.ref(eqn)  # as JAX would have held it
+
+
+def wrap_dce_rule(prim: Primitive, keep: Callable[[JaxprEqn], bool],
+                  made_linear: Callable[[JaxprEqn], bool]) -> None:
+    """`prim`'s DCE rule looks inside an eqn `keep` selects even when none of
+    its outputs is used (JAX's rules drop such an effect-free eqn whole), and
+    keeps every input of one whose body makes a value the backward pass
+    treats as linear (`made_linear`)."""
+    original = pe.dce_rules.get(prim, _pe._default_dce_rule)
+    if getattr(original, "_lazyharvest", False):
+        return
+
+    def rule(used_outputs, *live_and_eqn):
+        *live, eqn = live_and_eqn  # (live inputs on jax >= 0.12)
+        live_inputs = live[0] if live else None
+        if not keep(eqn):
+            return _call_jax_dce(original, used_outputs, eqn, live_inputs)
+        shown = eqn
+        if not any(used_outputs):
+            shown = new_jaxpr_eqn(eqn.invars, eqn.outvars, eqn.primitive, eqn.params,
+                                  eqn.effects | {keep_effect}, eqn.source_info, eqn.ctx)
+        used_inputs, new_eqn = _call_jax_dce(original, used_outputs, shown, live_inputs)
+        if new_eqn is shown:  # JAX's default rule: kept whole
+            return used_inputs, eqn
+        if new_eqn is None:  # a jit whose body uses no input: kept whole
+            return [True] * len(eqn.invars), eqn
+        if all(used_inputs) or not (prim is jit_p or made_linear(eqn)):
+            return used_inputs, new_eqn
+        # The backward pass transposes an eqn only if one of its inputs is
+        # linear; otherwise it evaluates it forward: the sites inside get no
+        # cotangent, and a custom_vjp's linear part inside cannot run. DCE
+        # may drop every linear input (it cannot tell them from residuals)
+        # when the body's only linear values are made inside (a constant
+        # site's zero tangent; in a jit, also the zero tangent given to a
+        # cond or scan holding sites): keep them all.
+        return [True] * len(eqn.invars), _keeping_inputs(used_outputs, eqn, new_eqn)
+    rule._lazyharvest = True  # type: ignore[attr-defined]
+    pe.dce_rules[prim] = rule
+
+
+def _keeping_inputs(used_outputs: Sequence[bool], eqn: JaxprEqn,
+                    dced: JaxprEqn) -> JaxprEqn:
+    """`dced` (a jit, scan or cond eqn after JAX's DCE rule) reading every
+    input of `eqn` again: its bodies' unused binders are kept.
+
+    Not `eqn` whole: a scan kept whole (or a jit holding one) would keep
+    unused extensive outputs, whose symbolic zero cotangents JAX's scan
+    transpose cannot take.
+    """
+    p = eqn.params
+    used = list(used_outputs)
+    if eqn.primitive is cond_p:
+        params = dict(dced.params, branches=tuple(_dce_keeping_binders(b, used)
+                                                  for b in p["branches"]))
+    elif eqn.primitive is scan_p:  # every carry stays: a carry in needs its carry out
+        num_carry = scan_counts(p)[1]
+        used[:num_carry] = [True] * num_carry
+        params = scan_params(p, _dce_keeping_binders(p["jaxpr"], used), *scan_counts(p),
+                             linear=lambda lin: lin)
+    else:  # jit: the per-output parameters as DCE left them, per-input ones whole
+        params = dict(dced.params, jaxpr=_dce_keeping_binders(p["jaxpr"], used),
+                      **{k: p[k] for k in ("in_shardings", "in_layouts", "donated_invars")})
+    outvars = [v for v, u in zip(eqn.outvars, used) if u]
+    return new_jaxpr_eqn(eqn.invars, outvars, eqn.primitive, params, dced.effects,
+                         eqn.source_info, eqn.ctx)
+
+
+def _dce_keeping_binders(body: ClosedJaxpr, used_outputs: list[bool]) -> ClosedJaxpr:
+    jaxpr, _ = pe.dce_jaxpr(body.jaxpr, used_outputs, instantiate=True)
+    return ClosedJaxpr(jaxpr, body.consts)
+
+
+def register_partial_eval_rule(prim: Primitive, make_rule: Callable) -> None:
+    """`make_rule(previous)` gives `rule(trace, *tracers, **params)` for JAX's
+    partial evaluation (`JaxprTrace`: `jax.checkpoint`'s transpose,
+    `jax.linear_transpose`, scan's loop-invariant hoisting...). `previous` is
+    the rule it replaces (JAX's default if none), so that rules compose."""
+    previous = _pe.custom_partial_eval_rules.get(prim)
+    if previous is None:
+        def previous(trace, *tracers, **params):
+            return trace.default_process_primitive(prim, list(tracers), params)
+    _pe.custom_partial_eval_rules[prim] = make_rule(previous)
+
+
+def partial_eval_kept(trace: Any, prim: Primitive, tracers: Sequence[Any],
+                      params: dict) -> list:
+    """Partial evaluation of `prim` as JAX does it by default, except that an
+    eqn it stages stays in the jaxpr even if no output is used (as an eqn
+    with an effect would)."""
+    outs = trace.default_process_primitive(prim, list(tracers), params)
+    recipe = getattr(outs[0], "recipe", None) if outs else None
+    if isinstance(recipe, _pe.JaxprEqnRecipe):
+        trace.effect_handles.append(_pe.EffectHandle(list(recipe.in_tracers), recipe))
+    return outs
+
+
+def partial_eval_keeping(previous: Callable, keep: Callable[[dict], bool]) -> Callable:
+    """`previous` (a partial-eval rule of jit, scan or cond), except that the
+    eqn it stages for the unknown part stays in the jaxpr even if no output
+    is used, when `keep(params)` says its body must (the transpose of
+    `jax.checkpoint` partially evaluates the body's jvp, and would drop a
+    loop whose tangent sites nothing uses)."""
+    def rule(trace, *tracers, **params):
+        outs = previous(trace, *tracers, **params)
+        if keep(params):
+            seen: set = set()
+            for out in outs:
+                recipe = getattr(out, "recipe", None)
+                if isinstance(recipe, _pe.JaxprEqnRecipe) and id(recipe) not in seen:
+                    seen.add(id(recipe))
+                    trace.effect_handles.append(
+                        _pe.EffectHandle(list(recipe.in_tracers), recipe))
+        return outs
+    return rule
+
+
+# JAX's partial-eval rule for `cond` (used by jax.linearize/grad and by the
+# transpose of jax.checkpoint) stages the unknown half of the branches as one
+# eqn recipe but, unlike an ordinary primitive, does not register it with the
+# trace's effect handles: when none of its outputs is used (a dead site's
+# tangent copy) the eqn is dropped, effects and all. The wrapper gives that
+# recipe one extra, empty output (a slice of an unknown operand) so it can be
+# found, registers it like JAX does for any effectful eqn, and returns the
+# original outputs.
+
+def keep_effects_in_cond_partial_eval(effect_type: type) -> None:
+    """Makes `cond`'s partial eval keep staged branches with `effect_type`."""
+    rules = pe.custom_partial_eval_rules
+    original = rules[cond_p]
+    if getattr(original, "_lazyharvest", False):
+        return
+
+    def rule(trace, *tracers, branches, **params):
+        unknown = [not t.pval.is_known() for t in tracers]
+        has_effect = any(isinstance(e, effect_type) for b in branches
+                         for e in b.jaxpr.effects)
+        ops = [i for i, uk in enumerate(unknown[1:], 1)
+               if uk and isinstance(tracers[i].aval, _core.ShapedArray)]
+        if unknown[0] or not has_effect or not ops:
+            return original(trace, *tracers, branches=branches, **params)
+        which = ops[0] - 1  # the branches' operand that feeds the empty output
+        outs = original(trace, *tracers, branches=tuple(
+            _with_empty_output(b, which) for b in branches), **params)
+        *outs, marker = outs
+        recipe = marker.recipe
+        if recipe is not None and _effects.partial_eval_kept_effects.filter_in(
+                recipe.effects):
+            trace.effect_handles.append(_pe.EffectHandle(list(recipe.in_tracers), recipe))
+        return outs
+
+    rule._lazyharvest = True  # type: ignore[attr-defined]
+    rules[cond_p] = rule
+
+
+@_util.weakref_lru_cache
+def _with_empty_output(branch: ClosedJaxpr, which: int) -> ClosedJaxpr:
+    """`branch` with one more output: an empty slice of its operand `which`."""
+    def fn(*args):
+        outs = jax.core.eval_jaxpr(branch.jaxpr, branch.consts, *args)
+        return [*outs, jax.numpy.ravel(args[which])[:0]]
+    jaxpr, consts = trace_flat(fn, branch.in_avals)
+    return ClosedJaxpr(jaxpr, consts)
+
+
+# When JAX splits a scan for differentiation, it hoists the computations of the
+# known (primal) scan that depend only on its constants out of the loop
+# (`_scan_known_hoisting`, in both `_scan_partial_eval` and `_scan_linearize`):
+# they run once. A site there would be sown once instead of once per
+# iteration. While that hoisting runs, a flag (a user context: it is part of
+# the keys of JAX's caches, which therefore never mix the two behaviours) asks
+# the partial-eval rule of `prim` to stage such a site as unknown, so it stays
+# in the loop; its (hoisted) input enters the loop as a constant.
+
+_hoisting = jax.make_user_context(default_value=False)
+
+
+def keep_in_scan_loops(prim: Primitive, effect_type: type,
+                       keep: Callable[[dict], bool]) -> None:
+    """Eqns of `prim` with `keep(params)` are not hoisted out of scans (a
+    site, or a cond whose body holds one)."""
+    from jax._src.lax.control_flow import loops as _loops
+
+    original = _loops._scan_known_hoisting
+    if not getattr(original, "_lazyharvest", False):
+        # (jax < 0.11: `(jaxpr_known, known_consts, num_res)`; jax >= 0.11
+        # adds `num_sres`: only the first argument is read here)
+        def hoisting(jaxpr_known, *args):
+            if not any(isinstance(e, effect_type) for e in jaxpr_known.effects):
+                return original(jaxpr_known, *args)
+            with _hoisting(True):
+                return original(jaxpr_known, *args)
+
+        hoisting._lazyharvest = True  # type: ignore[attr-defined]
+        _loops._scan_known_hoisting = hoisting
+        # jax.checkpoint's split of a scan hoists loop invariants its own way
+        # (`_scan_partial_eval_custom`): the flag is set around it too.
+        custom = pe.partial_eval_jaxpr_custom_rules[scan_p]
+
+        def custom_rule(saveable, unks_in, inst_in, eqn):
+            if not any(isinstance(e, effect_type) for e in eqn.params["jaxpr"].effects):
+                return custom(saveable, unks_in, inst_in, eqn)
+            with _hoisting(True):
+                return custom(saveable, unks_in, inst_in, eqn)
+        pe.partial_eval_jaxpr_custom_rules[scan_p] = custom_rule
+
+    def make_rule(previous: Callable) -> Callable:
+        def rule(trace, *tracers, **params):
+            if _hoisting.value and keep(params) and all(t.pval.is_known() for t in tracers):
+                tracers = tuple(trace.instantiate_const(t) for t in tracers)
+            return previous(trace, *tracers, **params)
+        return rule
+
+    register_partial_eval_rule(prim, make_rule)
+
+
+def keep_ref_writing_hi_prims() -> None:
+    """jax 0.12's DCE drops a high-level primitive (`call_hi_primitive`, e.g.
+    `Scan3` under `jax_scan3`) that has no outputs and declares no effects,
+    even when it writes a Ref that is read later (`jax.jit` then returns the
+    unwritten value). The harvest slices programs with JAX's DCE: such an eqn
+    with a live Ref input is kept whole."""
+    from lazyharvest._jax.core import call_hi_primitive_p
+
+    if call_hi_primitive_p is None:
+        return
+    original = pe.dce_rules.get(call_hi_primitive_p, _pe._default_dce_rule)
+    if getattr(original, "_lazyharvest", False):
+        return
+    from jax._src.state import types as _state_types
+
+    def rule(used_outputs, *live_and_eqn):
+        *live, eqn = live_and_eqn  # (live inputs on jax >= 0.12)
+        live_inputs = live[0] if live else [True] * len(eqn.invars)
+        if any(isinstance(getattr(v, "aval", None), _state_types.AbstractRef) and alive
+               for v, alive in zip(eqn.invars, live_inputs)):
+            return [True] * len(eqn.invars), eqn
+        return original(used_outputs, *live_and_eqn)
+    rule._lazyharvest = True  # type: ignore[attr-defined]
+    pe.dce_rules[call_hi_primitive_p] = rule
