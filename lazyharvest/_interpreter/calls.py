@@ -11,9 +11,9 @@ from __future__ import annotations
 import jax
 
 from lazyharvest import _jax
-from lazyharvest.errors import HarvestError
 from lazyharvest._interpreter.plumbing import finish, invar_avals, trace_body
 from lazyharvest._interpreter.run import EVAL_RULES, Run, bind
+from lazyharvest.errors import HarvestError
 
 
 def _jit(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, in_shardings,

@@ -91,7 +91,7 @@ remat_opt_p = _P["remat_opt_p"]  # custom_vjp(optimize_remat=True), once differe
 
 def _high_level() -> tuple[Primitive | None, type | None, dict[type, str]]:
     try:
-        from jax._src import hijax as _hijax  # type: ignore[attr-defined]
+        from jax._src import hijax as _hijax
     except ImportError:  # (older JAX)
         return None, None, {}
     from jax._src import ad_checkpoint as _ad_checkpoint
@@ -119,7 +119,7 @@ def hi_prim_jaxprs(x: Any) -> list:
     `call_hi_primitive` eqn) holds, at any depth; [] for anything else."""
     if _HI_PRIM is None or not isinstance(x, _HI_PRIM):
         return []
-    from jax._src import hijax as _hijax  # type: ignore[attr-defined]
+    from jax._src import hijax as _hijax
 
     nested = getattr(_hijax, "_pp_hi_subjaxprs", None)  # (jax >= 0.12)
     if nested is not None:
