@@ -220,9 +220,21 @@ def main() -> int:
                          "this one)")
     ap.add_argument("--extras", default="test",
                     help="the extras installed with this checkout (default: %(default)s)")
+    ap.add_argument("--which-python", metavar="VERSION",
+                    help="print the interpreter found for VERSION (e.g. 3.12) and exit; "
+                         "exit 2 naming what is missing if there is none")
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if args.which_python:
+        found = find_python(args.which_python)
+        if found is None:
+            print(f"no Python {args.which_python} found (neither python{args.which_python} on "
+                  f"PATH nor under pyenv's versions); jax >= 0.11 needs it: install it (e.g. "
+                  f"`pyenv install {args.which_python}`)", file=sys.stderr)
+            return 2
+        print(found)
+        return 0
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     check = subprocess.run([args.python, "-c", "import sys; print(sys.version_info >= (3, 11))"],
                            capture_output=True, text=True)

@@ -59,3 +59,19 @@ def wrap_cond_batcher(make_rule: Callable[[Callable], Callable]) -> None:
 def _jax_batching_private():
     from jax._src.interpreters import batching as _batching
     return _batching
+
+
+def internals() -> dict[str, Any]:
+    """The JAX modules this module imports inside functions, by dotted name
+    (for the contract tests, tests/jax_contracts/); `jax._src.flattree` only
+    where it exists (jax >= 0.11)."""
+    from jax._src.lax.control_flow import conditionals as _cond
+
+    out: dict[str, Any] = {"jax._src.lax.control_flow.conditionals": _cond,
+                           "jax._src.interpreters.batching": _jax_batching_private()}
+    try:
+        from jax._src import flattree as _ft  # type: ignore[attr-defined]
+    except ImportError:  # jax < 0.11
+        return out
+    out["jax._src.flattree"] = _ft
+    return out

@@ -83,6 +83,20 @@ custom_vmap_p = _P["custom_vmap_p"]  # jax.custom_batching.custom_vmap / sequent
 remat_opt_p = _P["remat_opt_p"]  # custom_vjp(optimize_remat=True), once differentiated
 
 
+def internals() -> dict[str, Any]:
+    """The JAX modules this module imports inside functions, by dotted name
+    (for the contract tests, tests/jax_contracts/)."""
+    from jax._src import ad_util as _ad_util
+    from jax._src import custom_batching as _custom_batching
+    from jax._src import custom_derivatives as _custom_derivatives
+    from jax._src import shard_map as _shard_map
+    from jax.extend.core import primitives as _prims
+
+    return {"jax._src.ad_util": _ad_util, "jax._src.custom_batching": _custom_batching,
+            "jax._src.custom_derivatives": _custom_derivatives,
+            "jax._src.shard_map": _shard_map, "jax.extend.core.primitives": _prims}
+
+
 # --- high-level primitives (jax >= 0.12): JAX's next implementations ---------------
 # With `jax_scan3`, `jax_remat3`, `jax_custom_vjp3` or `jax_custom_jvp3` on,
 # `lax.scan`, `jax.checkpoint`, `jax.custom_vjp` and `jax.custom_jvp` stage a

@@ -273,3 +273,11 @@ def wrap_transpose(prim: Primitive, keep: Callable[[dict], bool]) -> None:
         return original(cts_in, *args, **params)
     rule._lazyharvest = True  # type: ignore[attr-defined]
     _ad.fancy_transposes[prim] = rule
+
+
+def internals() -> dict[str, Any]:
+    """The JAX modules this module imports inside functions, by dotted name
+    (for the contract tests, tests/jax_contracts/)."""
+    from jax._src import ad_util as _ad_util
+
+    return {"jax._src.ad_util": _ad_util}

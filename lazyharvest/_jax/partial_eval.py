@@ -336,6 +336,14 @@ def keep_in_scan_loops(prim: Primitive, effect_type: type,
     register_partial_eval_rule(prim, make_rule)
 
 
+def internals() -> dict[str, Any]:
+    """The JAX modules this module imports inside functions, by dotted name
+    (for the contract tests, tests/jax_contracts/)."""
+    from jax._src.lax.control_flow import loops as _loops
+
+    return {"jax._src.lax.control_flow.loops": _loops}
+
+
 def keep_ref_writing_hi_prims() -> None:
     """jax 0.12's DCE drops a high-level primitive (`call_hi_primitive`, e.g.
     `Scan3` under `jax_scan3`) that has no outputs and declares no effects,
