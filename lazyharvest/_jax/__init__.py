@@ -1,13 +1,15 @@
 """Every use of JAX internals lives in this package, so a JAX release touches
-one place (docs/compat.md). One module per JAX subsystem; each pins what it
-relies on in `contracts` (tests/test_jax_contracts.py runs them). Nothing
-else in lazyharvest imports `jax._src`, `jax.extend` or `jax.interpreters`
-(tests/test_compat.py checks); the rest of the package reads this package's
-names as `_jax.name`."""
+one place (docs/compat.md). One module per JAX subsystem: `versions` (the
+running JAX and the feature probes), `core`, `control_flow`, `sharding`,
+`partial_eval`, `differentiation`; `tests/jax_contracts/` holds one contract
+test per internal each module relies on. Nothing else in lazyharvest imports
+`jax._src`, `jax.extend` or `jax.interpreters` (tests/test_compat.py
+checks); the rest of the package reads the names re-exported here as
+`_jax.name`."""
 
 from __future__ import annotations
 
-from lazyharvest._jax.versions import (  # noqa: F401  (first: it checks the version)  (first: it checks the version)
+from lazyharvest._jax.versions import (  # noqa: F401  (first: it checks the version)
     BIND_PARAMS_SPLIT,
     BIND_TAKES_AVALS,
     BWD_RETURNS_LOGS,
@@ -143,4 +145,3 @@ from lazyharvest._jax.sharding import (  # noqa: F401
     varying_axes,
 )
 
-# versions first: it refuses an unsupported JAX before any internal is touched

@@ -92,9 +92,19 @@ def internals() -> dict[str, Any]:
     from jax._src import shard_map as _shard_map
     from jax.extend.core import primitives as _prims
 
-    return {"jax._src.ad_util": _ad_util, "jax._src.custom_batching": _custom_batching,
-            "jax._src.custom_derivatives": _custom_derivatives,
-            "jax._src.shard_map": _shard_map, "jax.extend.core.primitives": _prims}
+    out = {"jax._src.ad_util": _ad_util, "jax._src.custom_batching": _custom_batching,
+           "jax._src.custom_derivatives": _custom_derivatives,
+           "jax._src.shard_map": _shard_map, "jax.extend.core.primitives": _prims}
+    try:
+        from jax._src import hijax as _hijax
+    except ImportError:  # (older JAX)
+        return out
+    from jax._src import ad_checkpoint as _ad_checkpoint
+    from jax._src.lax.control_flow import loops as _loops
+
+    out.update({"jax._src.hijax": _hijax, "jax._src.ad_checkpoint": _ad_checkpoint,
+                "jax._src.lax.control_flow.loops": _loops})
+    return out
 
 
 # --- high-level primitives (jax >= 0.12): JAX's next implementations ---------------
@@ -116,7 +126,7 @@ def _high_level() -> tuple[Primitive | None, type | None, dict[type, str]]:
                               (_ad_checkpoint, "RematTraced", "jax_remat3"),
                               (_hijax, "CustomVJPTraced", "jax_custom_vjp3"),
                               (_hijax, "CustomJVPTraced", "jax_custom_jvp3")):
-        if hasattr(module, cls):
+        if hasattr(module, cls) and flag in jax.config.values:
             flags[getattr(module, cls)] = flag
     # (the base class is `HiPrim` from jax 0.11, `VJPHiPrimitive` before)
     base = getattr(_hijax, "HiPrim", None) or getattr(_hijax, "VJPHiPrimitive", None)
@@ -138,7 +148,17 @@ def hi_prim_jaxprs(x: Any) -> list:
     nested = getattr(_hijax, "_pp_hi_subjaxprs", None)  # (jax >= 0.12)
     if nested is not None:
         return [j for _name, j in nested(x)]
-    return list(_core.jaxprs_in_params(getattr(x, "params", {})))
+    # (jax < 0.12: among its attributes: a jaxpr, a params dict, a `Traced`)
+    return [j for v in getattr(x, "__dict__", {}).values() for j in _jaxprs_in(v)]
+
+
+def _jaxprs_in(v: Any) -> list:
+    if isinstance(v, (Jaxpr, ClosedJaxpr)):
+        return [v]
+    if isinstance(v, dict):
+        return list(_core.jaxprs_in_params(v))
+    inner = getattr(v, "jaxpr", None)  # a `stages.Traced`
+    return [inner] if isinstance(inner, (Jaxpr, ClosedJaxpr)) else []
 
 
 def hi_prim_flag(x: Any) -> str | None:

@@ -5,6 +5,7 @@ transposes of jit/scan/cond that must run a body holding sites."""
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,7 +55,7 @@ def register_bind_hook(prim: Primitive, make_rule: Callable[[Callable], Callable
         prim.def_bind_with_trace(lambda trace, args, params: rule(
             trace, args, tuple(jax.typeof(x) for x in args), params))
     # The hook's frames are not the user's: keep them out of eqns' source info.
-    for path in (__file__, make_rule.__code__.co_filename):
+    for path in (os.path.dirname(__file__) + os.sep, make_rule.__code__.co_filename):
         if path not in _source_info_util._exclude_paths:
             _source_info_util.register_exclusion(path)
 

@@ -340,8 +340,9 @@ def internals() -> dict[str, Any]:
     """The JAX modules this module imports inside functions, by dotted name
     (for the contract tests, tests/jax_contracts/)."""
     from jax._src.lax.control_flow import loops as _loops
+    from jax._src.state import types as _state_types
 
-    return {"jax._src.lax.control_flow.loops": _loops}
+    return {"jax._src.lax.control_flow.loops": _loops, "jax._src.state.types": _state_types}
 
 
 def keep_ref_writing_hi_prims() -> None:

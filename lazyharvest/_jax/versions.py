@@ -9,6 +9,7 @@ needs.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections.abc import Sequence
@@ -87,8 +88,16 @@ CUSTOM_CALL_HOOKS = BIND_TAKES_AVALS and not BIND_PARAMS_SPLIT
 
 # jax >= 0.11: a custom_vjp call's wrapped backward function returns
 # `(cotangents, logs)` (`defvjp_with_logs`); jax < 0.11 the cotangents.
-BWD_RETURNS_LOGS = "with_logs" in inspect.signature(
-    _custom_derivatives._flatten_bwd).parameters
+# (`_flatten_bwd` is a `lu.transformation2`: a partial whose first argument is
+# the function itself)
+def _bwd_returns_logs() -> bool:
+    flatten = _custom_derivatives._flatten_bwd
+    if isinstance(flatten, functools.partial) and flatten.args:
+        flatten = flatten.args[0]
+    return "with_logs" in inspect.signature(flatten).parameters
+
+
+BWD_RETURNS_LOGS = _bwd_returns_logs()
 
 
 # jax >= 0.11: a linearization rule returns one more value, structured
