@@ -245,3 +245,24 @@ def test_shard_map_params_and_varying_axes(check_vma):
     assert _jax.varying_axes(a) == (frozenset({"x"}) if check_vma else frozenset())
     assert _jax.varying_axes(b) == frozenset()
     assert _jax.varying_axes(jax.typeof(np.float32(1.))) == frozenset()
+
+
+def test_transposes_wrapped_even_if_jax_differentiated_a_jit_before_the_import():
+    """jax >= 0.12 copies jit's transpose rule into a VJP node the first time
+    `jax.vjp` meets a jit; lazyharvest's rule must be in force there too when
+    that happened before `import lazyharvest`."""
+    code = "\n".join([
+        "import jax, jax.numpy as jnp",
+        "jax.vjp(jax.jit(jnp.sin), 1.0)[1](1.0)",  # before the import
+        "import lazyharvest",
+        "from lazyharvest import _jax",
+        "from lazyharvest._jax import differentiation as d",
+        "node = getattr(d._ad, 'vjp_node', None)",
+        "if node is not None:",
+        "    rule = d._ad.fancy_transposes[node(_jax.jit_p)]",
+        "    assert getattr(rule, '_lazyharvest', False), rule",
+        "print('ok', node is not None)",
+    ])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]

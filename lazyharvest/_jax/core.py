@@ -39,8 +39,8 @@ Zero = ad.Zero
 
 
 def _open(jaxpr: Jaxpr, consts: Sequence[Any]) -> Jaxpr:
-    """A traced jaxpr as jax < 0.12 gives it: its constvars apart from its
-    invars (on jax >= 0.12, by attaching `consts`)."""
+    """A traced jaxpr as jax < 0.11 gives it: its constvars apart from its
+    invars (on jax >= 0.11, by attaching `consts`)."""
     if MERGED_JAXPR and consts and not jaxpr.consts:  # type: ignore[attr-defined]
         return jaxpr.with_consts(list(consts))  # type: ignore[attr-defined]
     return jaxpr
@@ -107,7 +107,7 @@ def internals() -> dict[str, Any]:
     return out
 
 
-# --- high-level primitives (jax >= 0.12): JAX's next implementations ---------------
+# --- high-level primitives (jax >= 0.10; the jax_*3 flags) -----------------------
 # With `jax_scan3`, `jax_remat3`, `jax_custom_vjp3` or `jax_custom_jvp3` on,
 # `lax.scan`, `jax.checkpoint`, `jax.custom_vjp` and `jax.custom_jvp` stage a
 # `call_hi_primitive` eqn whose `_prim` param is a `HiPrim` object holding the
@@ -336,7 +336,7 @@ def eval_eqns(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
     def read(v: Any) -> Any:
         return v.val if isinstance(v, Literal) else env[v]
 
-    # (jax >= 0.12: constvars without attached values are leading invars)
+    # (jax >= 0.11: constvars without attached values are leading invars)
     env.update(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]))
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]

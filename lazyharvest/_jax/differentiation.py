@@ -274,6 +274,12 @@ def wrap_transpose(prim: Primitive, keep: Callable[[dict], bool]) -> None:
         return original(cts_in, *args, **params)
     rule._lazyharvest = True  # type: ignore[attr-defined]
     _ad.fancy_transposes[prim] = rule
+    # jax >= 0.12 stages `prim`'s tangent eqns under `jax.vjp` as a VJP node
+    # made once per primitive, which copied the transpose rule in force then
+    # (possibly JAX's own, if the user differentiated before importing us)
+    node = getattr(_ad, "vjp_node", None)
+    if node is not None:
+        _ad.fancy_transposes[node(prim)] = rule
 
 
 def internals() -> dict[str, Any]:

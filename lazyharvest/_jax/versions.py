@@ -63,7 +63,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Primitive  # noqa: E402
 # hooks with avals); on it those sites behave as before (docs/compat.md).
 DERIVATIVE_SITES = JAX_VERSION >= (0, 9)
 
-# jax >= 0.12 merged `ClosedJaxpr` into `Jaxpr`: a jaxpr's constvars are its
+# jax >= 0.11 merged `ClosedJaxpr` into `Jaxpr`: a jaxpr's constvars are its
 # leading inputs that have values attached (`jaxpr.consts`); without them
 # attached, they are plain leading invars.
 MERGED_JAXPR = ClosedJaxpr is Jaxpr
