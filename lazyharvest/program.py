@@ -324,7 +324,9 @@ class _Owner:
 
 
 _TRACES: dict[int, _Owner] = {}
-_TRACES_LOCK = threading.Lock()
+# Reentrant: a traced function's weakref callback (`_forget`) may run in the
+# middle of a locked region, when a garbage collection happens there.
+_TRACES_LOCK = threading.RLock()
 _WARNED: set = set()
 
 

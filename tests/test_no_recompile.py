@@ -119,3 +119,24 @@ def test_wrappers_with_different_parameters_do_not_share_traces():
     d0 = lh.reap(lh.grad(f, argnums=0), tag="t")(a, b)
     d1 = lh.reap(lh.grad(f, argnums=1), tag="t")(a, b)
     assert np.isclose(float(d0["grad", "p"]), 9.) and np.isclose(float(d1["grad", "p"]), 12.)
+
+
+def test_a_collection_inside_the_trace_cache_lock_does_not_deadlock():
+    """A traced function collected while the trace cache's lock is held (a
+    garbage collection can run anywhere) has its entry dropped by a weakref
+    callback that takes the same lock: it must be reentrant."""
+    from lazyharvest import program
+
+    def g(x):
+        return lh.sow(x * 2, tag="t", name="y")
+
+    lh.reap(g, tag="t")(1.0)["y"]
+    key = id(g)
+    assert key in program._TRACES
+    ref = program._TRACES[key].ref
+    with program._TRACES_LOCK:
+        acquired = program._TRACES_LOCK.acquire(blocking=False)
+        assert acquired, "the trace cache's lock is not reentrant"
+        program._TRACES_LOCK.release()
+        program._forget(key, ref)  # as the callback would, mid-region
+    assert key not in program._TRACES
