@@ -9,6 +9,20 @@ import lazyharvest as lh
 from lazyharvest import testing as T
 
 
+def load_module(tmp_path, name, source):
+    """A module written to `tmp_path/name.py` and imported: (module, its path)."""
+    import importlib.util
+    import sys
+
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module, str(path)
+
+
 def close(a, b, rtol=1e-5, atol=1e-5):
     jax.tree_util.tree_map(
         lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y),

@@ -3,9 +3,7 @@ types, JAX's primitives as objects, tracing, re-binding eqns, traces and
 tracers, effects and batchers (docs/compat.md). One test per internal; each
 names the internal and the JAX version when it fails."""
 
-import importlib.util
 import os
-import sys
 import traceback
 
 import jax
@@ -15,7 +13,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from helpers import close
+from helpers import close, load_module
 from lazyharvest._jax import core as layer
 from lazyharvest._jax import versions
 
@@ -31,17 +29,6 @@ def _only(eqns, name):
     found = [e for e in eqns if e.primitive.name == name]
     assert len(found) == 1, [e.primitive.name for e in eqns]
     return found[0]
-
-
-def _load(tmp_path, name, source):
-    """A module written to `tmp_path/name.py` and imported."""
-    path = tmp_path / f"{name}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module, str(path)
 
 
 def _effectful(name):
@@ -266,7 +253,7 @@ def test_traceback_util_register_exclusion(tmp_path, filtering):
     files under `path` from the tracebacks JAX's API boundaries filter
     (core.hide_frames_below, called for the package's own directory)."""
     (tmp_path / "lh_hidden").mkdir()
-    mod, path = _load(tmp_path / "lh_hidden", "lh_contract_hidden",
+    mod, path = load_module(tmp_path / "lh_hidden", "lh_contract_hidden",
                       "def call(f, x):\n    return f(x)\n")
     run = lambda: jax.jit(lambda x: mod.call(_raise, x))(1.)  # noqa: E731
     assert path in _raised_files(run)

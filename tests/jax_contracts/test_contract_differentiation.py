@@ -3,8 +3,6 @@ rules and traces, bind hooks and custom calls' functions, tangents and zeros
 on differentiation traces, remat rules and the transposes of jit/scan/cond
 (docs/compat.md)."""
 
-import importlib.util
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +10,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from helpers import close
+from helpers import close, load_module
 from lazyharvest._jax import core as layer_core
 from lazyharvest._jax import differentiation as layer
 from lazyharvest._jax import partial_eval as layer_pe
@@ -53,16 +51,6 @@ def _with_jvp(name, calls=None):
 
     layer_core.ad.primitive_jvps[prim] = jvp
     return prim
-
-
-def _load(tmp_path, name, source):
-    path = tmp_path / f"{name}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module, str(path)
 
 
 # --- linearization rules ---------------------------------------------------------------
@@ -357,7 +345,7 @@ def test_primitive_def_bind_with_trace(tmp_path):
     (differentiation.register_bind_hook)."""
     prim = _sin_like("lh_contract_hook")
     seen = []
-    hooks, _ = _load(tmp_path, "lh_contract_hooks", (
+    hooks, _ = load_module(tmp_path, "lh_contract_hooks", (
         "def make(seen):\n"
         "    def make_rule(default):\n"
         "        def rule(trace, args, avals, params):\n"
@@ -384,7 +372,7 @@ def test_source_info_register_exclusion(tmp_path):
     mods = {}
     for name in ("shown", "hidden"):
         (tmp_path / name).mkdir()
-        mods[name] = _load(tmp_path / name, f"lh_contract_staging_{name}", source)
+        mods[name] = load_module(tmp_path / name, f"lh_contract_staging_{name}", source)
     sources.register_exclusion(str(tmp_path / "hidden"))
     assert str(tmp_path / "hidden") in sources._exclude_paths
 
