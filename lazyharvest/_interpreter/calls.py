@@ -71,5 +71,5 @@ def _high_level(run: Run, eqn: _jax.JaxprEqn, invals: list, *, _prim, **_) -> li
         f"yet on jax {jax.__version__}.{fix}, or move the sow outside it.")
 
 
-if _jax.call_hi_primitive_p is not None:  # (jax >= 0.12)
+if _jax.call_hi_primitive_p is not None:  # (jax >= 0.10)
     EVAL_RULES[_jax.call_hi_primitive_p] = _high_level

@@ -66,7 +66,7 @@ def sub_jaxprs(params: dict) -> Iterable[_jax.Jaxpr]:
                 yield x.jaxpr
             elif isinstance(x, _jax.Jaxpr):
                 yield x
-            else:  # a high-level primitive's bodies (jax >= 0.12, `jax_*3` flags)
+            else:  # a high-level primitive's bodies (the `jax_*3` flags, jax >= 0.10)
                 yield from (getattr(j, "jaxpr", j) for j in _jax.hi_prim_jaxprs(x))
 
 
