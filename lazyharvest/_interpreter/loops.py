@@ -465,13 +465,13 @@ def _while(run: Run, eqn: _jax.JaxprEqn, invals: list, *, cond_jaxpr, body_jaxpr
            cond_nconsts, body_nconsts, **_) -> list:
     cond_c, body_c, init = split_list(invals, [cond_nconsts, body_nconsts])
     body_avals = invar_avals(body_jaxpr.jaxpr)
-    body, _inner = trace_body(run, body_jaxpr.jaxpr, body_jaxpr.consts, body_avals,
-                              lambda extra: run.nested())
+    body, inner = trace_body(run, body_jaxpr.jaxpr, body_jaxpr.consts, body_avals,
+                             lambda extra: run.nested())
     _check_while_modes(run.harvest, body)
     sites = body.sites
     if sites:  # again, with the site carry as the sites' earlier values
-        body, _inner = trace_body(run, body_jaxpr.jaxpr, body_jaxpr.consts, body_avals,
-                                  lambda extra: run.nested(), seeds=sites)
+        body, inner = trace_body(run, body_jaxpr.jaxpr, body_jaxpr.consts, body_avals,
+                                 lambda extra: run.nested(), seeds=sites)
         assert [s.key for s in body.sites] == [s.key for s in sites]
     # Sites in the loop condition are not reaped: the condition returns only a
     # predicate. They are consumed (identity) like filtered sites.
@@ -492,6 +492,8 @@ def _while(run: Run, eqn: _jax.JaxprEqn, invals: list, *, cond_jaxpr, body_jaxpr
     if fwd:  # a forwarded site is the carry's last value if the body ran at all
         ran = _jax.eval_jaxpr(cond.jaxpr, (), *cond.consts, *cond_c, *init)[0]
         leaves.update({m: jnp.where(ran, outs[j], earlier[m]) for m, j in fwd.items()})
+    # (each iteration's primal occurrences began passes of their own)
+    run.begin_passes(inner.primal_sown)
     merge(run, body.sites, [leaves[m] for m in range(len(site_avals))], replace=True)
     return outs[:ncarry]
 

@@ -66,6 +66,9 @@ class Record:
     # where this traced bool is true (a cond whose taken branch may not sow
     # it): a later contribution fills in the rest. None: it holds everywhere.
     flag: Any = None
+    # An append record evaluated backward: where its next contribution goes
+    # (the front of the current backward pass; `Run.begin_passes`).
+    pass_start: int = 0
 
     def leaves(self) -> list:
         if self.mode != "append" or len(self.chunks) == 1:
@@ -290,16 +293,20 @@ class Run:
                 f"and dtype; got {shapes} and "
                 f"{[(x.shape[1:], x.dtype) for x in leaves]}.")
         if backward:
-            old.chunks.insert(0, list(leaves))
+            old.chunks.insert(old.pass_start, list(leaves))
         else:
             old.chunks.append(list(leaves))
 
     def begin_passes(self, primal_keys: Iterable[RawKey]) -> None:
-        """A primal occurrence of a site begins a new pass for its cotangent:
-        a clobber cotangent evaluated backward keeps the first contribution of
-        one backward pass (the last occurrence in program order), but a later
-        pass (another `jax.grad` after this one, or inside a loop body)
-        replaces it."""
+        """A primal occurrence of a site begins a new backward pass for its
+        cotangent, after those of the occurrences before it: a cotangent is
+        paired with its own occurrence, and a backward pass evaluates its
+        cotangents in reverse program order. So an append cotangent evaluated
+        backward goes to the front of the current pass's contributions, which
+        come after the earlier passes' (a Python loop of `jax.grad` steps, a
+        `jax.grad` before and inside a loop), and a clobber cotangent keeps
+        the first contribution of one pass (the last occurrence in program
+        order), which a later pass replaces."""
         for key in primal_keys:
             path, scopes, name = key
             if not path or path[-1] != PRIMAL:
@@ -308,6 +315,8 @@ class Run:
             dual = self.records.get((path[:-1] + (VJP,), scopes, name))
             if dual is not None and dual.mode == "clobber":
                 dual.seeded = True
+            elif dual is not None:
+                dual.pass_start = len(dual.chunks)
 
     def record_all(self, key: RawKey, record: Record) -> None:
         """Adds the contributions of a nested run's record, in program order."""

@@ -1,0 +1,133 @@
+"""Cotangents belong to their occurrence, however many backward passes run.
+
+Every expected value is computed with plain JAX: a zero perturbation `eps`
+added where the site is, differentiated with respect to `eps`.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import lazyharvest as lh
+from helpers import close
+
+X = jnp.array([0.3, 0.7])
+Q0 = jnp.array([0.4, -0.2])
+
+
+def _inner_loss(w, x, sow):
+    h = x
+    for i in range(2):
+        h = sow(jnp.sin(w * h), i)
+    return jnp.sum(h ** 2)
+
+
+def _loss(w, x):
+    return _inner_loss(w, x, lambda v, i: lh.sow(v, tag="t", name="h", mode="append"))
+
+
+def _loss_eps(w, x, eps):
+    return _inner_loss(w, x, lambda v, i: v + eps[i])
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_python_loop_of_grad_steps_pairs_each_cotangent_with_its_step(jit):
+    grad = jax.jit(jax.grad(_loss)) if jit else jax.grad(_loss)
+
+    def train(w, x):
+        for _ in range(3):
+            w = w - 0.1 * grad(w, x)
+        return w
+
+    d = lh.reap(train, tag="t")(1.5, X)
+    w, vals, cts = 1.5, [], []
+    for _ in range(3):
+        zero = jnp.zeros((2, 2))
+        cts.append(jax.grad(_loss_eps, argnums=2)(w, X, zero))
+        h = X
+        for _i in range(2):
+            h = jnp.sin(w * h)
+            vals.append(h)
+        w = w - 0.1 * jax.grad(_loss_eps)(w, X, zero)
+    close(d["h"], jnp.stack(vals))
+    close(d["vjp", "h"], jnp.concatenate(cts))
+
+
+def _u(q, sow):
+    return jnp.sum(sow(jnp.cos(q) * q))
+
+
+def test_grad_before_and_inside_a_scan_pairs_cotangents_in_program_order():
+    # as an HMC sampler: the initial state's gradient, then one per step
+    u = lambda q: _u(q, lambda v: lh.sow(v, tag="t", name="u", mode="append"))
+
+    def hmc(q):
+        g = jax.grad(u)(q)
+
+        def step(c, _):
+            q, g = c
+            q = q - 0.1 * g
+            return (q, jax.grad(u)(q)), None
+        return lax.scan(step, (q, g), None, length=3)[0][0]
+
+    d = lh.reap(jax.jit(hmc), tag="t")(Q0)
+    u_eps = lambda q, e: _u(q, lambda v: v + e)
+    qs, q = [Q0], Q0
+    g = jax.grad(u_eps)(q, 0.)
+    for _ in range(3):
+        q = q - 0.1 * g
+        qs.append(q)
+        g = jax.grad(u_eps)(q, 0.)
+    close(d["u"], jnp.stack([jnp.cos(q) * q for q in qs]))
+    close(d["vjp", "u"], jnp.stack([jax.grad(u_eps, argnums=1)(q, jnp.zeros(2))
+                                    for q in qs]))
+
+
+def _v(q, sow):
+    return jnp.sum(sow(jnp.sin(q) * q) ** 2)
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_clobber_cotangent_is_the_last_evaluations_across_scan_of_while_of_grads(before):
+    # as a NUTS sampler: a grad, then a scan whose body runs a while loop of grads
+    v = lambda q: _v(q, lambda x: lh.sow(x, tag="t", name="v", mode="clobber"))
+
+    def nuts(q):
+        g = jax.grad(v)(q) if before else jnp.zeros_like(q)
+
+        def step(c, _):
+            def body(s):
+                i, q, g = s
+                q = q - 0.05 * g
+                return i + 1, q, jax.grad(v)(q)
+            return lax.while_loop(lambda s: s[0] < 2, body, (0, *c))[1:], None
+        return lax.scan(step, (q, g), None, length=2)[0][0]
+
+    d = lh.reap(nuts, tag="t")(Q0)
+    v_eps = lambda q, e: _v(q, lambda x: x + e)
+    q = Q0
+    g = jax.grad(v_eps)(q, 0.) if before else jnp.zeros_like(q)
+    for _ in range(4):
+        q = q - 0.05 * g
+        g = jax.grad(v_eps)(q, 0.)
+    close(d["v"], jnp.sin(q) * q)
+    close(d["vjp", "v"], jax.grad(v_eps, argnums=1)(q, jnp.zeros(2)))
+
+
+def test_compute_is_a_pytree_when_a_name_is_also_a_label_or_a_scope():
+    def f(x):
+        a = lh.sow(x * 2, tag="t", name="vjp")
+        b = lh.nest(lambda v: lh.sow(v * 3, tag="t", name="q"), scope="s")(a)
+        return jnp.sum(lh.sow(b * x, tag="t", name="s"))
+
+    out = jax.jit(lambda x: lh.reap(jax.grad(f), tag="t")(x).compute())(1.)
+    jax.tree_util.tree_structure(out)  # string keys only: a valid pytree
+    close(out["vjp"][""], 2.)                  # the site named "vjp"
+    close(out["s"][""], 6.)                    # the site named like the scope
+    close(out["s"]["q"], 6.)
+    eps = lambda e: jnp.sum((((1. * 2 + e[0]) * 3 + e[1]) * 1. + e[2]))
+    g = jax.grad(eps)(jnp.zeros(3))
+    close(out["vjp"]["vjp"], g[0])
+    close(out["vjp"]["s"][""], g[2])
+    close(out["vjp"]["s"]["q"], g[1])
