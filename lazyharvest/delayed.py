@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from _thread import RLock as _RLock  # threading.RLock, without its Python frame
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -335,10 +335,7 @@ class DelayedDict(Mapping):
         values = self._store.force(unique, unique=True)
         if names is not None:  # one-part keys: a flat dict
             return dict(zip(names, map(values.__getitem__, raws)))
-        out: dict = {}
-        for k, r in zip(wanted, raws):
-            _nest(out, k, values[r])
-        return out
+        return _nest((k, values[r]) for k, r in zip(wanted, raws))
 
     def _plan(self, keys: tuple) -> tuple[list, list, tuple, tuple | None]:
         """The user keys `compute(*keys)` returns, the leaf of each, the
@@ -463,13 +460,10 @@ class DelayedDict(Mapping):
             f"Closest keys: {near}. All keys: {shown}.")
 
     def _tree(self) -> dict:
-        out: dict = {}
         values = self._store.values
         sites = self._store.traced.sites
-        for k in self._canonical:
-            r = self._leaves[k]
-            _nest(out, k, _Shown(values[r]) if r in values else _Pending(sites[r].avals))
-        return out
+        return _nest((k, _Shown(values[r]) if (r := self._leaves[k]) in values
+                      else _Pending(sites[r].avals)) for k in self._canonical)
 
     def __repr__(self) -> str:
         return f"DelayedDict({self._tree()!r})"
@@ -500,21 +494,28 @@ class DelayedDict(Mapping):
         return display.summary(self, compute=compute)
 
 
-def _nest(out: dict, key: tuple, value: Any) -> None:
-    """Puts `value` at `key` in a dict nested by key parts. A key that is both
-    a leaf and a prefix of others (a site named like a scope) cannot nest:
-    it goes at the top level, under its whole tuple."""
-    node = out
-    for part in key[:-1]:
-        nxt = node.setdefault(part, {})
-        if not isinstance(nxt, dict):
-            out[key] = value
-            return
-        node = nxt
-    if isinstance(node.get(key[-1]), dict):
-        out[key] = value
-    else:
-        node[key[-1]] = value
+LEAF_AT_PREFIX = ""
+"""The key, in `compute()`'s nested dict, of a leaf whose key is also a
+prefix of other keys (a site named like a scope or a label)."""
+
+
+def _nest(pairs: Iterable[tuple[tuple, Any]]) -> dict:
+    """A dict nested by key parts, with string keys only (a JAX pytree). A
+    key that is both a leaf and a prefix of others (a site named like a scope
+    or a label) holds a dict there, with the leaf under `LEAF_AT_PREFIX`."""
+    pairs = list(pairs)
+    prefixes = {k[:i] for k, _ in pairs for i in range(1, len(k))}
+    out: dict = {}
+    for key, value in pairs:
+        node = out
+        for part in key[:-1]:
+            node = node.setdefault(part, {})
+        if key in prefixes:
+            node = node.setdefault(key[-1], {})
+            node[LEAF_AT_PREFIX] = value
+        else:
+            node[key[-1]] = value
+    return out
 
 
 def _same_avals(a: tuple, b: tuple) -> bool:

@@ -533,7 +533,11 @@ def resolve_plants(traced: Traced, plants: Any, add: bool = False
 
 def _cast_plant(v: Any, aval: Any, where: str, add: bool = False) -> Any:
     if isinstance(v, jax.Array) and v.shape == aval.shape and v.dtype == aval.dtype:
-        return v  # the common case in a sweep: nothing to convert, no device op
+        if not getattr(jax.typeof(v), "weak_type", False):
+            return v  # the common case in a sweep: nothing to convert, no device op
+        # (`jnp.full(4, 2.)`): strongly typed before the cache lookup, so
+        # a sweep mixing weak and strong plants compiles once
+        return jax.lax.convert_element_type(v, aval.dtype)
     if not hasattr(v, "dtype") and not isinstance(v, (bool, int, float, complex)):
         arr = np.asarray(v) if not isinstance(v, (str, bytes)) else None
         if arr is None or arr.dtype.kind not in "biufc":
@@ -565,7 +569,7 @@ def _cast_plant(v: Any, aval: Any, where: str, add: bool = False) -> Any:
                 f"{where}: planted value has dtype {dtype}, the site has dtype "
                 f"{aval.dtype}. Plant a value of the site's dtype (Python "
                 f"scalars are cast).")
-    return jnp.asarray(v, aval.dtype)
+    return jax.lax.convert_element_type(jnp.asarray(v), aval.dtype)
 
 
 def _kind(dtype: Any) -> type:

@@ -140,3 +140,21 @@ def test_a_collection_inside_the_trace_cache_lock_does_not_deadlock():
         program._TRACES_LOCK.release()
         program._forget(key, ref)  # as the callback would, mid-region
     assert key not in program._TRACES
+
+
+def test_a_weakly_typed_plant_after_a_strong_one_compiles_nothing():
+    # plants are cast to the site's dtype before the program cache is asked
+    x = jnp.linspace(-1., 1., 8)
+    planted = lh.plant(mlp, tag="t")
+    weak = jnp.full(8, 3.)
+    assert jax.typeof(weak).weak_type
+    calls = [({"h1": jnp.full(8, 2., dtype=jnp.float32)}, x),
+             ({"h1": weak}, x),
+             ({"h1": np.full(8, 5., np.float32)}, x)]
+    # JAX compiles its own eager ops (the cast, a numpy transfer) once per
+    # shape: done here, with another planted function
+    _count(lh.plant(lambda x: mlp(x), tag="t"), calls)
+    outs, counts = _count(planted, calls)
+    assert counts[0] >= 1 and counts[1:] == [0, 0]
+    for (plants, xv), out in zip(calls, outs):
+        close(out, hand_patched(xv, 1, jnp.asarray(plants["h1"], jnp.float32)))
