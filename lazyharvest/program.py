@@ -10,6 +10,7 @@ the jaxpr, so only the slice that produces those values is compiled.
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import logging
 import threading
@@ -344,7 +345,7 @@ def _traces_for(base: Any) -> collections.OrderedDict | None:
         return owner.traces
     key = id(base)
     try:
-        ref = weakref.ref(base, lambda r: _forget(key, r))
+        ref = weakref.ref(base, functools.partial(_forget, key))
     except TypeError:
         return None
     owner = _Owner(ref)
@@ -353,6 +354,8 @@ def _traces_for(base: Any) -> collections.OrderedDict | None:
 
 
 def _forget(i: int, ref: Any) -> None:
+    if _TRACES_LOCK is None:  # (interpreter shutdown: module globals are gone)
+        return
     with _TRACES_LOCK:
         owner = _TRACES.get(i)
         if owner is not None and owner.ref is ref:

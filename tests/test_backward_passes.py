@@ -126,8 +126,30 @@ def test_compute_is_a_pytree_when_a_name_is_also_a_label_or_a_scope():
     close(out["vjp"][""], 2.)                  # the site named "vjp"
     close(out["s"][""], 6.)                    # the site named like the scope
     close(out["s"]["q"], 6.)
-    eps = lambda e: jnp.sum((((1. * 2 + e[0]) * 3 + e[1]) * 1. + e[2]))
+    eps = lambda e: jnp.sum(((1. * 2 + e[0]) * 3 + e[1]) * 1. + e[2])
     g = jax.grad(eps)(jnp.zeros(3))
     close(out["vjp"]["vjp"], g[0])
     close(out["vjp"]["s"][""], g[2])
     close(out["vjp"]["s"]["q"], g[1])
+
+
+@pytest.mark.parametrize("nondiff", [True, False])
+def test_a_custom_jvp_rule_that_calls_its_function_sows_once(nondiff):
+    # the rule's site is sown where JAX runs the rule; the call of the
+    # function inside the rule adds no occurrence of it
+    if nondiff:
+        fn = jax.custom_jvp(lambda n, x: jnp.sin(x) * n, nondiff_argnums=(0,))
+
+        def rule(n, p, t):
+            c = lh.sow(jnp.cos(p[0]), tag="t", name="c")
+            return fn(n, p[0]), c * n * t[0]
+    else:
+        fn = jax.custom_jvp(lambda n, x: jnp.sin(x) * n)
+
+        def rule(p, t):
+            c = lh.sow(jnp.cos(p[1]), tag="t", name="c")
+            return fn(*p), c * p[0] * t[1]
+    fn.defjvp(rule)
+    d = lh.reap(jax.grad(lambda x: fn(2., x)), tag="t")(0.5)
+    assert set(d.keys()) == {"c"}
+    close(d["c"], jnp.cos(0.5))

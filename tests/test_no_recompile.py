@@ -155,6 +155,6 @@ def test_a_weakly_typed_plant_after_a_strong_one_compiles_nothing():
     # shape: done here, with another planted function
     _count(lh.plant(lambda x: mlp(x), tag="t"), calls)
     outs, counts = _count(planted, calls)
-    assert counts[0] >= 1 and counts[1:] == [0, 0]
+    assert counts[1:] == [0, 0]
     for (plants, xv), out in zip(calls, outs):
         close(out, hand_patched(xv, 1, jnp.asarray(plants["h1"], jnp.float32)))

@@ -80,7 +80,10 @@ def _jvp_with_sites(fun: Any, jvp: Any) -> tuple:
     def rule(*xs: Any) -> Any:
         n = len(xs) // 2
         before = harvested_sows()
-        out = jvp.call_wrapped(*xs)
+        # (the custom calls it binds, most often of the function itself, are
+        # bound as they are: the rule's own sows are its sites already)
+        with _in_rule():
+            out = jvp.call_wrapped(*xs)
         # A rule that sows (most call the function itself) has its own sites.
         closed = None if harvested_sows() != before else _harvested_sites(fun, xs[:n])
         if closed is not None:
@@ -93,7 +96,8 @@ def _jvp_with_sites(fun: Any, jvp: Any) -> tuple:
 def _fwd_with_sites(fun: Any, fwd: Any, bwd: Any) -> tuple:
     def rule(*xs: Any) -> Any:  # (primal, perturbed) pairs
         before = harvested_sows()
-        out = fwd.call_wrapped(*xs)
+        with _in_rule():
+            out = fwd.call_wrapped(*xs)
         closed = None if harvested_sows() != before else _harvested_sites(fun, xs[::2])
         if closed is not None:
             _jax.eval_jaxpr(closed.jaxpr, closed.consts, *xs[::2])
