@@ -535,12 +535,9 @@ def resolve_plants(traced: Traced, plants: Any, add: bool = False
 
 
 def _cast_plant(v: Any, aval: Any, where: str, add: bool = False) -> Any:
-    if isinstance(v, jax.Array) and v.shape == aval.shape and v.dtype == aval.dtype:
-        if not getattr(jax.typeof(v), "weak_type", False):
-            return v  # the common case in a sweep: nothing to convert, no device op
-        # (`jnp.full(4, 2.)`): strongly typed before the cache lookup, so
-        # a sweep mixing weak and strong plants compiles once
-        return jax.lax.convert_element_type(v, aval.dtype)
+    if (isinstance(v, jax.Array) and v.shape == aval.shape and v.dtype == aval.dtype
+            and not jax.typeof(v).weak_type):
+        return v  # the common case in a sweep: nothing to convert, no device op
     if not hasattr(v, "dtype") and not isinstance(v, (bool, int, float, complex)):
         arr = np.asarray(v) if not isinstance(v, (str, bytes)) else None
         if arr is None or arr.dtype.kind not in "biufc":
@@ -572,6 +569,8 @@ def _cast_plant(v: Any, aval: Any, where: str, add: bool = False) -> Any:
                 f"{where}: planted value has dtype {dtype}, the site has dtype "
                 f"{aval.dtype}. Plant a value of the site's dtype (Python "
                 f"scalars are cast).")
+    # strongly typed (`jnp.full(4, 2.)` is weak) before the program cache is
+    # asked, so a sweep mixing weak and strong plants compiles once
     return jax.lax.convert_element_type(jnp.asarray(v), aval.dtype)
 
 
