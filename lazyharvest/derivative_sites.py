@@ -61,8 +61,9 @@ def _dce(used_outputs, eqn):
 _HOLDS: dict = {}  # (id(jaxpr), which) -> (jaxpr, found)
 
 # Which sites `_jaxpr_holds` looks for: any site; a tangent or cotangent site;
-# the zero tangent of a constant site under reverse mode (`_constant_site`).
-_ANY, _DERIVATIVE, _CONSTANT = "any", "derivative", "constant"
+# the zero tangent of a constant site under reverse mode (`_constant_site`);
+# or not a site but a while loop (which reverse mode cannot differentiate).
+_ANY, _DERIVATIVE, _CONSTANT, _WHILE = "any", "derivative", "constant", "while"
 
 
 def _jaxpr_holds(jaxpr, which: str) -> bool:
@@ -77,6 +78,8 @@ def _jaxpr_holds(jaxpr, which: str) -> bool:
 
 
 def _eqn_holds(eqn, which: str) -> bool:
+    if which == _WHILE:
+        return eqn.primitive is _jax.while_p or _bodies_hold(eqn.params, which)
     if eqn.primitive is sow_p:
         if which == _CONSTANT:
             return bool(eqn.params.get("constant")) and eqn.params["path"][-1:] == (JVP,)
@@ -206,20 +209,30 @@ def _make_body_bind(default):
         found = _forget(trace, params)
         in_loops = _sown_keys(params, only_in_loops=True) if found else set()
         _copy_earlier(trace, args, [f for f in found if _site_key(f[0]) in in_loops])
-        if (kind is None or any(_jax.has_tangent(trace, x) for x in args)
-                or not _bodies_hold(params, _ANY)):
-            return default(trace, args, avals, params)
-        if kind == "jvp" and not (active_tags() or _jax.under_linearization(trace)):
-            # jax.jvp's values are recorded only by a harvest (a jitted jvp is
-            # retraced when one starts): no arithmetic on zeros outside one.
-            return default(trace, args, avals, params)
-        for i, a in enumerate(avals):
-            if _jax.differentiable(a):
-                args = list(args)
-                args[i] = _jax.with_zero_tangent(trace, args[i], linear=kind == "vjp")
-                break
+        if kind is not None:
+            args = _differentiated(trace, kind, args, avals, params)
         return default(trace, args, avals, params)
     return bind_with_trace
+
+
+def _differentiated(trace, kind: str, args, avals, params: dict):
+    """`args`, one of them given a zero tangent at `trace` when none has a
+    tangent and the bodies among `params` hold sites (else JAX would skip the
+    eqn's rules and its sites would never meet this level)."""
+    if any(_jax.has_tangent(trace, x) for x in args) or not _bodies_hold(params, _ANY):
+        return args
+    if kind == "vjp" and _bodies_hold(params, _WHILE):
+        return args  # the zero could reach a while loop: JAX would refuse it
+    if kind == "jvp" and not (active_tags() or _jax.under_linearization(trace)):
+        # jax.jvp's values are recorded only by a harvest (a jitted jvp is
+        # retraced when one starts): no arithmetic on zeros outside one.
+        return args
+    for i, a in enumerate(avals):
+        if _jax.differentiable(a):
+            args = list(args)
+            args[i] = _jax.with_zero_tangent(trace, args[i], linear=kind == "vjp")
+            break
+    return args
 
 
 # --- a clobber name sown before a while_loop, under jax.linearize ---------------
@@ -303,6 +316,10 @@ def _make_while_bind(default):
     function starts the loop's site carry from the value sown before it."""
     def bind_with_trace(trace, args, avals, params):
         _copy_earlier(trace, args, _forget(trace, params))
+        if _jax.differentiation_kind(trace) == "jvp":
+            # (forward mode only: JAX cannot transpose a while loop, nor
+            # split one, so reverse mode must keep skipping a constant one)
+            args = _differentiated(trace, "jvp", args, avals, params)
         return default(trace, args, avals, params)
     return bind_with_trace
 

@@ -295,15 +295,22 @@ def test_constant_bodies_of_jit_scan_and_cond_keep_their_sites():
         close(reaped(jax.linearize(f, X)[1], TX)["k"], jnp.zeros(3))
 
 
-def test_constant_while_loop_sites_have_no_derivative_keys():
-    # Not supported (docs/semantics.md): a while loop none of whose inputs has
-    # a tangent is skipped by JAX as a whole.
+@pytest.mark.parametrize("trips", [0, 2])
+@pytest.mark.parametrize("wrap", [lambda g: g, jax.jit], ids=["eager", "jit"])
+def test_constant_while_loop_sites(trips, wrap):
+    # Forward mode gives the zero tangent (a loop none of whose inputs has a
+    # tangent was skipped by JAX as a whole: no ("jvp", "k"), also for a loop
+    # that never runs). Reverse mode cannot: JAX cannot transpose a while
+    # loop (docs/semantics.md 2a).
     def f(x):
-        k = lax.while_loop(lambda s: s[0] < 2, lambda s: (
-            s[0] + 1, lh.sow(s[1] * 2., tag="t", name="k", mode="clobber")), (0, C0))[1]
+        k = wrap(lambda c: lax.while_loop(lambda s: s[0] < trips, lambda s: (
+            s[0] + 1, lh.sow(s[1] * 2., tag="t", name="k", mode="clobber")), (0, c))[1])(C0)
         return jnp.sum(k * x)
+    d = reaped(lambda x: jax.jvp(f, (x,), (TX,)), X)
+    close(d["jvp", "k"], jnp.zeros(3))
+    close(d["k"], C0 * 2. ** trips if trips else jnp.zeros(3))
     assert set(reaped(jax.grad(f), X).keys()) == {"k"}
-    assert set(reaped(lambda x: jax.jvp(f, (x,), (TX,)), X).keys()) == {"k"}
+    T.check_jvp(f, X, tag="t", strict_keys=True)
 
 
 def test_constant_sites_pass_the_laws_with_strict_keys():

@@ -18,6 +18,7 @@ import lazyharvest as lh
 
 # lazyharvest internals: imported here and nowhere else in the package.
 from lazyharvest._interpreter import sub_jaxprs
+from lazyharvest.delayed import LEAF_AT_PREFIX
 from lazyharvest.keys import Key, normalize
 from lazyharvest.primitive import sow_p
 from lazyharvest.testing._values import all_zero, random_like
@@ -81,13 +82,13 @@ def spelling(d: Any) -> dict[tuple[tuple, Key], Key]:
 
 def get_nested(tree: Mapping, key: Key) -> Any:
     """The leaf of ``key`` in ``compute()``'s nested dicts: a key that is also
-    a prefix of other keys (a site named like a label) is there under its
-    whole tuple, at the top level."""
-    if isinstance(key, tuple) and key in tree:
-        return tree[key]
+    a prefix of other keys (a site named like a scope or a label) holds a
+    dict there, with its own value under ``LEAF_AT_PREFIX``."""
     node: Any = tree
     for part in key:
         node = node[part]
+    if isinstance(node, Mapping) and LEAF_AT_PREFIX in node:
+        return node[LEAF_AT_PREFIX]
     return node
 
 
