@@ -102,6 +102,85 @@ def scoped(scope: str) -> Iterator[None]:
         yield
 
 
+# --- sows a custom_vjp backward rule makes: recomputations ----------------------
+# A backward rule that re-runs the forward body (checkpointing) sows again the
+# names its forward pass sowed. Those sows are recomputations, not new
+# occurrences (SPEC 9): marked `recompute=RULE_COPY` (custom.py), a harvest
+# plants their values as it planted the forward occurrences and does not reap
+# them, while the tangents and cotangents the rule's own differentiation gives
+# them are sites like any others (`is_recomputed`).
+
+RULE_COPY = "rule"
+
+
+@contextlib.contextmanager
+def at_scopes(scopes: tuple) -> Iterator[None]:
+    """Sows traced in this block are under the nest scopes `scopes` exactly
+    (a custom call's, which its backward rule, run later by JAX, no longer has)."""
+    tags, _, dropped = _current()
+    with _state((tags, scopes, dropped)):
+        yield
+
+
+# A custom rule JAX runs for a planted program (the user's forward and
+# backward rules of a custom_vjp whose function holds a planted site): its
+# sows of the planted names take the planted values as they are bound, so
+# that what the rule differentiates or recomputes is the planted program.
+# (tag, name) -> [(scopes, leaves, add)]; the context's token is part of jit's
+# trace-cache key, so a function jitted inside the rule is traced anew.
+_planting = jax.make_user_context(default_value=None)
+_PLANTED: dict = {}
+_tokens = itertools.count()
+
+
+@contextlib.contextmanager
+def planting(plants: dict) -> Iterator[None]:
+    """Sows bound in this block of the names in `plants` ((tag, scopes, name)
+    -> (leaves, add)) are replaced by those leaves (added to them with add)."""
+    if not plants:
+        yield
+        return
+    token = next(_tokens)
+    table: dict = {}
+    for (tag, scopes, name), (leaves, add) in plants.items():
+        table.setdefault((tag, name), []).append((scopes, leaves, add))
+    _PLANTED[token] = table
+    try:
+        with _planting(token):
+            yield
+    finally:
+        del _PLANTED[token]
+
+
+def planted_value(params: dict, vals: list) -> list | None:
+    """The planted leaves for a sow bound now in a `planting` block, if it
+    sows a planted name: same scopes, or the only scopes planted under that
+    name (a rule's own `sow` calls run outside the call's nest scopes)."""
+    token = _planting.value
+    if token is None or params["path"] or is_masked(params):
+        return None
+    found = _PLANTED.get(token, {}).get((params["tag"], params["name"]))
+    if not found:
+        return None
+    exact = [f for f in found if f[0] == params["scopes"]]
+    if not exact and len(found) > 1:
+        return None
+    _scopes, leaves, add = (exact or found)[0]
+    return [v + p.astype(v.dtype) if add else jnp.broadcast_to(p, jnp.shape(v)).astype(v.dtype)
+            for v, p in zip(vals, leaves)]
+
+
+def is_recomputed(params: dict) -> bool:
+    """A copy of a site, not an occurrence: rematerialized by jax.checkpoint,
+    or recomputed by a custom_vjp backward rule (its value only: the
+    derivatives of a rule's recomputation are sites)."""
+    r = params["recompute"]
+    if isinstance(r, str) and r == RULE_COPY:
+        path = params["path"]
+        return not (path and path[-1] in (JVP, VJP))
+    return bool(r)
+
+
 # --- the primitive ---
 
 sow_p = _jax.Primitive("sow")
@@ -486,7 +565,8 @@ def _stage(closed: Any, own: list[int], k: int | None, site_avals: list) -> Any:
 def _site_identity(params: dict) -> dict:
     # Branches pair their rematerialized copies with their originals by
     # tokens of their own; the lifted site is sown once, with branch 0's.
-    return dict(params, recompute=bool(params["recompute"]), remat=())
+    r = params["recompute"]
+    return dict(params, recompute=r if isinstance(r, str) else bool(r), remat=())
 
 
 _APPLYING = threading.local()

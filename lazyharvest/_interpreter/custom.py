@@ -27,11 +27,15 @@ from lazyharvest._interpreter.sites import (
     count_occurrences,
     jaxpr_has_sites,
 )
+from lazyharvest.keys import PRIMAL
 from lazyharvest.primitive import (
+    RULE_COPY,
     active_tags,
+    at_scopes,
     consuming,
     current_scopes,
     harvested_sows,
+    planting,
     sow_p,
 )
 
@@ -94,19 +98,88 @@ def _jvp_with_sites(fun: Any, jvp: Any) -> tuple:
 
 
 def _fwd_with_sites(fun: Any, fwd: Any, bwd: Any) -> tuple:
+    # JAX runs the forward rule on the primal values, outside the
+    # differentiation: its sites are given the path of this level's primal
+    # sites (in every body it runs). Its names are recomputations where the
+    # backward rule, which JAX runs later (outside the call's nest scopes),
+    # sows them again (a checkpointing rule re-runs the body).
+    sown: set = set()
+    scopes = current_scopes()
+
     def rule(*xs: Any) -> Any:  # (primal, perturbed) pairs
-        before = harvested_sows()
-        with _in_rule():
-            out = fwd.call_wrapped(*xs)
-        closed = None if harvested_sows() != before else _harvested_sites(fun, xs[::2])
-        if closed is not None:
-            _jax.eval_jaxpr(closed.jaxpr, closed.consts, *xs[::2])
-        return out
-    return fun, _jax.wrapped_like(rule, fwd), bwd
+        def call(*pairs: Any) -> Any:
+            before = harvested_sows()
+            with _in_rule():
+                out = fwd.call_wrapped(*pairs)
+            closed = None if harvested_sows() != before else _harvested_sites(fun, pairs[::2])
+            if closed is not None:
+                _jax.eval_jaxpr(closed.jaxpr, closed.consts, *pairs[::2])
+            return out
+        return _rewritten(call, xs, lambda p: _as_primal(p, sown))
+    return fun, _jax.wrapped_like(rule, fwd), _recomputing_bwd(bwd, sown, scopes)
+
+
+def _recomputing_bwd(bwd: Any, sown: set, scopes: tuple) -> Any:
+    """`bwd` (JAX's wrapped backward function), its sows of the names in
+    `sown` (filled by the time JAX runs it) marked as recomputations."""
+    def rule_bwd(*args: Any) -> Any:
+        with at_scopes(scopes):
+            return _rewritten(bwd.call_wrapped, args, lambda p: _as_recomputed(p, sown))
+    return _jax.wrapped_like(rule_bwd, bwd)
+
+
+def _staged_bwd(bwd: Any, call_jaxpr: _jax.ClosedJaxpr) -> Any:
+    """A staged call's `bwd`, its recomputations marked: the names are those
+    its primal function sows."""
+    sown = {(tag, scopes, name) for tag in active_tags()
+            for path, scopes, name in count_occurrences(call_jaxpr.jaxpr, Harvest(tag))
+            if not path or path[-1] == PRIMAL}
+    return _recomputing_bwd(bwd, sown, current_scopes()) if sown else bwd
+
+
+def _as_primal(params: dict, sown: set) -> dict:
+    """A harvested site of a forward rule: a primal site of this level."""
+    if params["path"] or params["tag"] not in active_tags():
+        return params
+    sown.add((params["tag"], params["scopes"], params["name"]))
+    return dict(params, path=(PRIMAL,))
+
+
+def _as_recomputed(params: dict, sown: set) -> dict:
+    """A value of a backward rule under a name its forward pass sowed."""
+    path = params["path"]
+    if ((path and path[-1] != PRIMAL) or params["recompute"]
+            or (params["tag"], params["scopes"], params["name"]) not in sown):
+        return params
+    return dict(params, recompute=RULE_COPY)
+
+
+def _rewritten(fn: Callable, args: Sequence[Any], rewrite: Callable[[dict], dict]) -> Any:
+    """`fn(*args)`, traced and evaluated with the params of its sows (in
+    every body it runs, also those traced before) replaced by `rewrite`.
+    Arguments and outputs other than arrays (flags, symbolic zeros) pass as
+    they are."""
+    arrays = [isinstance(a, (jax.Array, np.ndarray)) for a in args]
+    out_tree: list = []
+
+    def traced(*xs: Any) -> list:
+        it = iter(xs)
+        leaves, tree = jax.tree_util.tree_flatten(
+            fn(*[next(it) if k else a for a, k in zip(args, arrays)]),
+            is_leaf=lambda x: x is None)
+        out_tree[:] = [tree, leaves]
+        return [x for x in leaves if isinstance(x, jax.Array)]
+    xs = [a for a, k in zip(args, arrays) if k]
+    jaxpr, consts = _jax.trace_flat(traced, [jax.typeof(x) for x in xs], name="custom rule")
+    outs = iter(_jax.eval_jaxpr(_jax.map_params(jaxpr, sow_p, rewrite), consts, *xs))
+    tree, leaves = out_tree
+    return jax.tree_util.tree_unflatten(
+        tree, [next(outs) if isinstance(x, jax.Array) else x for x in leaves])
 
 
 def _make_custom_bind(with_sites: Callable[..., tuple],
-                      rule_sites: Callable[..., list | None]) -> Callable:
+                      rule_sites: Callable[..., list | None],
+                      staged_bwd: Callable[[Any, Any], Any] | None = None) -> Callable:
     def make(default: Callable) -> Callable:
         def bind_with_trace(trace, args, avals, params):
             if not active_tags():
@@ -118,6 +191,8 @@ def _make_custom_bind(with_sites: Callable[..., tuple],
                     return outs
             elif any(_jax.has_tangent(trace, x) for x in args):
                 params = _jax.replace_subfuns(params, with_sites)
+                if staged_bwd is not None:
+                    params = _jax.replace_staged_bwd(params, staged_bwd)
             return default(trace, args, avals, params)
         return bind_with_trace
     return make
@@ -338,7 +413,7 @@ if _jax.CUSTOM_CALL_HOOKS:  # (jax 0.8: these sites stay unreaped)
     _jax.register_bind_hook(_jax.custom_jvp_call_p,
                             _make_custom_bind(_jvp_with_sites, _jvp_rule_sites))
     _jax.register_bind_hook(_jax.custom_vjp_call_p,
-                            _make_custom_bind(_fwd_with_sites, _vjp_rule_sites))
+                            _make_custom_bind(_fwd_with_sites, _vjp_rule_sites, _staged_bwd))
 
 
 def _custom_vmap(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call, **_) -> list:
@@ -396,31 +471,43 @@ def _custom_planted(run: Run, eqn: _jax.JaxprEqn, invals: list,
     # over: like the plants, they are operands the user's rule does not
     # differentiate.
     n_c = eqn.params.get("num_consts", 0)
+
+    def in_rule(leaves: Sequence[Any]) -> Any:
+        # the user's rules, run by JAX on the planted program, sow the planted
+        # values: what they differentiate or recompute is the planted program
+        plants = ops.plants(run.plants, leaves)
+        return planting({(run.harvest.tag, k[1], k[2]): (plants[k].leaves, plants[k].add)
+                         for k in ops.keys if not k[0] and plants[k].mode != "append"
+                         and not plants[k].additive})
     if eqn.primitive is _jax.custom_jvp_call_p:
-        fun = _with_jvp_of(original, primal, n_c, n_in)
+        fun = _with_jvp_of(original, primal, n_c, n_in, in_rule)
     else:
-        fun = _with_vjp_of(original, primal, n_c, n_in)
+        fun = _with_vjp_of(original, primal, n_c, n_in, in_rule)
     return list(fun(*invals, *ops.leaves))
 
 
-def _with_jvp_of(original: Callable, primal: Callable, n_c: int, n_in: int) -> Callable:
+def _with_jvp_of(original: Callable, primal: Callable, n_c: int, n_in: int,
+                 in_rule: Callable) -> Callable:
     """`primal(*consts, *xs, *plants)` whose JVP is `original`'s in `xs`
-    (consts and plants: zero)."""
+    (consts and plants: zero), run `in_rule(plants)`."""
     fun = jax.custom_jvp(primal)
 
     def jvp(primals, tangents):
         consts = primals[:n_c]
-        _, t_out = jax.jvp(lambda *xs: original(*consts, *xs),
-                           primals[n_c:n_in], tangents[n_c:n_in])
+        with in_rule(primals[n_in:]):
+            _, t_out = jax.jvp(lambda *xs: original(*consts, *xs),
+                               primals[n_c:n_in], tangents[n_c:n_in])
         return primal(*primals), t_out
     fun.defjvp(jvp)
     return fun
 
 
-def _with_vjp_of(original: Callable, primal: Callable, n_c: int, n_in: int) -> Callable:
+def _with_vjp_of(original: Callable, primal: Callable, n_c: int, n_in: int,
+                 in_rule: Callable) -> Callable:
     """`primal(*consts, *xs, *plants)` whose VJP is `original`'s in the `xs` that
     are perturbed (consts, plants and unperturbed inputs get none: libraries
-    such as Equinox check that their non-differentiated inputs stay so)."""
+    such as Equinox check that their non-differentiated inputs stay so), its
+    forward and backward rules run `in_rule(plants)`."""
     fun = jax.custom_vjp(primal)
 
     def fwd(*a: Any):
@@ -432,15 +519,18 @@ def _with_vjp_of(original: Callable, primal: Callable, n_c: int, n_in: int) -> C
             for i, p in zip(idx, ps):
                 full[i] = p
             return original(*full)
-        _, vjp = jax.vjp(part, *[vals[i] for i in idx])
-        return primal(*vals), (vjp, idx, len(vals))
+        with in_rule(vals[n_in:]):
+            _, vjp = jax.vjp(part, *[vals[i] for i in idx])
+        return primal(*vals), (vjp, idx, len(vals), vals[n_in:])
 
     def bwd(res, cts):
-        vjp, idx, n = res
+        vjp, idx, n, plants = res
         cts = [jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c
                for c in cts]
         out: list = [None] * n
-        for i, g in zip(idx, vjp(list(cts))):
+        with in_rule(plants):
+            grads = vjp(list(cts))
+        for i, g in zip(idx, grads):
             out[i] = g
         return tuple(out)
     fun.defvjp(fwd, bwd, symbolic_zeros=True)

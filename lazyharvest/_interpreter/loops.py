@@ -14,6 +14,8 @@ cond branch, an inner loop that does not run), passes the value on.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import jax
 import jax.numpy as jnp
@@ -57,6 +59,7 @@ from lazyharvest._interpreter.sites import (
     sub_jaxprs,
 )
 from lazyharvest.errors import HarvestError
+from lazyharvest.keys import PRIMAL
 from lazyharvest.primitive import sow_p
 
 
@@ -465,45 +468,83 @@ def _while(run: Run, eqn: _jax.JaxprEqn, invals: list, *, cond_jaxpr, body_jaxpr
            cond_nconsts, body_nconsts, **_) -> list:
     cond_c, body_c, init = split_list(invals, [cond_nconsts, body_nconsts])
     body_avals = invar_avals(body_jaxpr.jaxpr)
-    body, inner = trace_body(run, body_jaxpr.jaxpr, body_jaxpr.consts, body_avals,
-                             lambda extra: run.nested())
+    make_run = lambda extra: run.nested()
+    body, inner = trace_body(run, body_jaxpr.jaxpr, body_jaxpr.consts, body_avals, make_run)
     _check_while_modes(run.harvest, body)
+    if _keeps_first(run, body, inner):  # again, learning where each iteration sows
+        make_run = lambda extra: run.nested(track_sown=True)
+        body, inner = trace_body(run, body_jaxpr.jaxpr, body_jaxpr.consts, body_avals,
+                                 make_run)
     sites = body.sites
     if sites:  # again, with the site carry as the sites' earlier values
         body, inner = trace_body(run, body_jaxpr.jaxpr, body_jaxpr.consts, body_avals,
-                                 lambda extra: run.nested(), seeds=sites)
+                                 make_run, seeds=sites)
         assert [s.key for s in body.sites] == [s.key for s in sites]
     # Sites in the loop condition are not reaped: the condition returns only a
     # predicate. They are consumed (identity) like filtered sites.
     cond, _inner = trace_body(run.nested(), cond_jaxpr.jaxpr, cond_jaxpr.consts,
                          invar_avals(cond_jaxpr.jaxpr))
     ncarry = len(init)
-    fwd = _forwarded(body, ncarry)
+    first = _keeps_first(run, body, inner)
+    fwd = {m: j for m, j in _forwarded(body, ncarry).items() if m not in first}
     site_avals = [a for s in body.sites for a in s.avals]
     kept = [m for m in range(len(site_avals)) if m not in fwd]
     # The site carry starts from the sites' earlier values: a loop whose body
     # never runs keeps them, and so does a nested loop.
     earlier = [x for s in body.sites for x in incoming(run, s)]
     params = _while_params(eqn.params, body, cond, cond_jaxpr, body_avals, site_avals,
-                           kept, cond_nconsts, body_nconsts, ncarry)
+                           kept, cond_nconsts, body_nconsts, ncarry,
+                           {m: first[m][1] for m in sorted(first)})
     outs = bind(eqn, [*cond.consts, *cond_c, *body.consts, *body_c, *init,
-                      *[earlier[m] for m in kept]], params)
+                      *[earlier[m] for m in kept], *[first[m][0] for m in sorted(first)]],
+                params)
     leaves = dict(zip(kept, outs[ncarry:]))
     if fwd:  # a forwarded site is the carry's last value if the body ran at all
         ran = _jax.eval_jaxpr(cond.jaxpr, (), *cond.consts, *cond_c, *init)[0]
         leaves.update({m: jnp.where(ran, outs[j], earlier[m]) for m, j in fwd.items()})
     # (each iteration's primal occurrences began passes of their own)
     run.begin_passes(inner.primal_sown)
-    merge(run, body.sites, [leaves[m] for m in range(len(site_avals))], replace=True)
+    merged = [(s, ls) for s, ls in zip(body.sites, per_site(
+        body.sites, [leaves[m] for m in range(len(site_avals))]))
+        if run.track_sown or not is_sown(s.key)]
+    merge(run, [s for s, _ in merged], [x for _, ls in merged for x in ls], replace=True)
     return outs[:ncarry]
+
+
+def _keeps_first(run: Run, body: Body, inner: Run) -> dict[int, Any]:
+    """The site leaves (by index) of cotangents the loop evaluates as one
+    backward pass over several occurrences (a custom_vjp backward rule
+    walking back through the steps its forward pass took): sites evaluated
+    backward whose primal the body does not sow (its recomputation is no
+    occurrence). Each keeps its first contribution, the last occurrence's,
+    as a straight-line backward pass does; the value is whether one was
+    made before the loop, in the same pass, and the index of the leaf that
+    says whether an iteration sowed it (a body traced with `track_sown`;
+    None otherwise, then each iteration is taken to)."""
+    out: dict[int, Any] = {}
+    start, m = {}, 0
+    for s in body.sites:
+        start[s.key] = m
+        m += len(s.avals)
+    for s in body.sites:
+        path, scopes, name = s.key
+        primal = (path[:-1] + (PRIMAL,), scopes, name)
+        if runs_backward(s.key) and not is_sown(s.key) and primal not in inner.primal_sown:
+            r = lookup(run, s.key)
+            for i in range(len(s.avals)):
+                out[start[s.key] + i] = (np.bool_(r is not None and not r.seeded),
+                                         start.get(sown_key(s.key)))
+    return out
 
 
 def _while_params(p: dict, body: Body, cond: Body, cond_jaxpr, body_avals: list,
                   site_avals: list, kept: list, cond_nconsts: int, body_nconsts: int,
-                  ncarry: int) -> dict:
-    """The harvested loop's params: the carry grows by the kept site leaves."""
+                  ncarry: int, first: dict) -> dict:
+    """The harvested loop's params: the carry grows by the kept site leaves,
+    and by a flag per leaf in `first` (it keeps its first contribution)."""
     nb, ncc = len(body.consts), len(cond.consts)
-    carry_avals = body_avals[body_nconsts:] + [site_avals[m] for m in kept]
+    flag = jax.typeof(np.bool_(False))
+    carry_avals = body_avals[body_nconsts:] + [site_avals[m] for m in kept] + [flag] * len(first)
     n_in = len(body.jaxpr.invars) - len(site_avals)
 
     def new_cond(*args):
@@ -512,12 +553,17 @@ def _while_params(p: dict, body: Body, cond: Body, cond_jaxpr, body_avals: list,
 
     def new_body(*args):
         # The body's last inputs are its kept sites' values from the last
-        # iteration; a forwarded site's is never read.
-        seeds = dict(zip(kept, args[n_in:]))
+        # iteration (a forwarded site's is never read), then the flags.
+        seeds = dict(zip(kept, args[n_in:n_in + len(kept)]))
+        taken = dict(zip(first, args[n_in + len(kept):]))
         full = [seeds[m] if m in seeds else jnp.zeros(a.shape, a.dtype)
                 for m, a in enumerate(site_avals)]
         outs = _jax.eval_jaxpr(body.jaxpr, (), *args[:n_in], *full)
-        return outs[:ncarry] + [outs[ncarry + m] for m in kept]
+        new = [jnp.where(taken[m], seeds[m], outs[ncarry + m]) if m in taken
+               else outs[ncarry + m] for m in kept]
+        sown = [np.bool_(True) if i is None else jnp.any(outs[ncarry + i])
+                for i in (first[m] for m in first)]
+        return outs[:ncarry] + new + [t | f for t, f in zip(taken.values(), sown)]
 
     cjaxpr, k1 = _jax.trace_flat(
         new_cond, [jax.typeof(c) for c in cond.consts]

@@ -21,7 +21,7 @@ from lazyharvest import _jax
 from lazyharvest._interpreter.sites import Harvest, RawKey, contains_sites, raw_key
 from lazyharvest.errors import HarvestError
 from lazyharvest.keys import PRIMAL, VJP, Label
-from lazyharvest.primitive import active_tags, is_masked, sow_p
+from lazyharvest.primitive import active_tags, is_masked, is_recomputed, sow_p
 
 
 def runs_backward(key: RawKey) -> bool:
@@ -383,9 +383,9 @@ class Run:
         if params.get("earlier"):
             self.copy_of_earlier(key, params, leaves)
             return vals
-        if params["recompute"]:
-            # A copy rematerialized by jax.checkpoint: planted like its
-            # original, never counted.
+        if is_recomputed(params):
+            # A copy rematerialized by jax.checkpoint, or recomputed by a
+            # custom_vjp backward rule: planted like its original, never counted.
             out = self.replay(key, params, leaves)
             return out if mask is None else [*select(mask, out, leaves), mask]
         if not h.selects(params):  # still a site, for harvests outside this one

@@ -14,7 +14,7 @@ import attrs
 
 from lazyharvest import _jax
 from lazyharvest.keys import PRIMAL, Label
-from lazyharvest.primitive import is_masked, sow_p
+from lazyharvest.primitive import is_masked, is_recomputed, sow_p
 
 RawKey = tuple  # (path, scopes, name)
 Counts = dict  # RawKey -> occurrences in one evaluation
@@ -120,7 +120,7 @@ def count_occurrences(jaxpr: _jax.Jaxpr, harvest: Harvest) -> Counts:
 def _count_eqn(e: _jax.JaxprEqn, harvest: Harvest) -> Counts:
     p = e.params
     if e.primitive is sow_p:
-        if (harvest.owns(p) and harvest.selects(p) and not p["recompute"]
+        if (harvest.owns(p) and harvest.selects(p) and not is_recomputed(p)
                 and not p.get("earlier")):  # (copies: `Run.copy_of_earlier`)
             return {raw_key(p): 1}
         return {}

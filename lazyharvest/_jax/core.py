@@ -208,6 +208,33 @@ def replace_eqn_params(eqn: JaxprEqn, **params: Any) -> JaxprEqn:
                          eqn.source_info, eqn.ctx)
 
 
+def map_params(jaxpr: Jaxpr, prim: Primitive, fn: Callable[[dict], dict]) -> Jaxpr:
+    """`jaxpr` with the params of every eqn of `prim`, in it and in the
+    bodies among its eqns' params (loops, calls, branches), replaced by
+    `fn(params)`. Unchanged parts are shared."""
+    eqns, changed = [], False
+    for e in jaxpr.eqns:
+        params = {k: _map_param(v, prim, fn) for k, v in e.params.items()}
+        if e.primitive is prim:
+            params = fn(params)
+        if any(params[k] is not e.params.get(k) for k in params):
+            e, changed = e.replace(params=params), True
+        eqns.append(e)
+    return jaxpr.replace(eqns=eqns) if changed else jaxpr
+
+
+def _map_param(v: Any, prim: Primitive, fn: Callable[[dict], dict]) -> Any:
+    if isinstance(v, Jaxpr):
+        return map_params(v, prim, fn)
+    if isinstance(v, ClosedJaxpr):
+        j = map_params(v.jaxpr, prim, fn)
+        return v if j is v.jaxpr else ClosedJaxpr(j, v.consts)
+    if isinstance(v, (tuple, list)) and any(isinstance(x, (Jaxpr, ClosedJaxpr)) for x in v):
+        new = [_map_param(x, prim, fn) for x in v]
+        return v if all(a is b for a, b in zip(new, v)) else type(v)(new)
+    return v
+
+
 def identity_eqn(eqn: JaxprEqn) -> JaxprEqn:
     """An eqn with `eqn`'s inputs and outputs that passes its inputs on: a
     `closed_call` of a jaxpr with no eqns."""
