@@ -20,7 +20,7 @@ import weakref
 
 from lazyharvest import _jax
 from lazyharvest.keys import JVP, PRIMAL, VJP
-from lazyharvest.primitive import active_tags, is_masked, planted_value, sow_p
+from lazyharvest.primitive import active_tags, count_sow, is_masked, planted_value, sow_p
 
 __all__: list[str] = []
 
@@ -279,6 +279,7 @@ def _make_remembering_bind(default):
     bind = _make_bind(default)
 
     def bind_with_trace(trace, args, avals, params):
+        count_sow(params)
         planted = planted_value(params, list(args))
         if planted is not None:  # in a custom rule of a planted program
             return planted

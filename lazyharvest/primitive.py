@@ -269,12 +269,15 @@ def _remat_partial_eval(saveable, unks_in, inst_in, eqn):
     # residuals. Recompute the site instead. The recomputed copy is marked
     # (`recompute=token`) so a harvest does not count it twice, and the known
     # original lists the token among its `remat` params, so a harvest plants
-    # the copy as it planted the original.
-    del saveable
+    # the copy as it planted the original. A policy that saves the site's
+    # value (everything_saveable, save_anything_except_these_names) saves it
+    # as it would the value the site passes on: no residual is added.
     n = len(eqn.outvars)
     res = [v for v, inst in zip(eqn.invars, inst_in) if not inst]
     if any(unks_in):
         return None, eqn, [True] * n, [True] * n, res
+    if _jax.policy_saves(saveable, eqn):
+        return eqn, None, [False] * n, [False] * n, []
     token = next(_remat_tokens)
     known = _jax.replace_eqn_params(eqn, remat=eqn.params.get("remat", ()) + (token,))
     staged = _jax.replace_eqn_params(eqn, recompute=token, remat=())
@@ -378,8 +381,6 @@ def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
     if not leaves or _jax.in_eager_mode() or tag in _current()[2]:
         return value
     tags, scopes, _ = _current()
-    if tag in tags:
-        _SOWN.count = harvested_sows() + 1
     outs = sow_p.bind(*leaves, tag=tag, name=name, mode=mode, scopes=scopes,
                       path=(), tree=tree, effect=tag in tags, recompute=False)
     return jax.tree_util.tree_unflatten(tree, outs)
@@ -389,9 +390,16 @@ _SOWN = threading.local()
 
 
 def harvested_sows() -> int:
-    """How many sows of a harvested tag this thread has traced so far (a rule
-    compares it before and after running the user's code)."""
+    """How many sows of a harvested tag this thread has bound so far, from
+    `sow` or from a jaxpr's eqns (a rule compares it before and after running
+    the user's code: `jax.lax.custom_root`'s evaluates traced jaxprs)."""
     return getattr(_SOWN, "count", 0)
+
+
+def count_sow(params: dict) -> None:
+    """Counts a bind of `sow_p` (its bind hook calls this)."""
+    if params["tag"] in active_tags():
+        _SOWN.count = harvested_sows() + 1
 
 
 # --- vmap of lax.cond with a batched predicate ----------------------------------

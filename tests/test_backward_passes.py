@@ -153,3 +153,29 @@ def test_a_custom_jvp_rule_that_calls_its_function_sows_once(nondiff):
     d = lh.reap(jax.grad(lambda x: fn(2., x)), tag="t")(0.5)
     assert set(d.keys()) == {"c"}
     close(d["c"], jnp.cos(0.5))
+
+
+def test_custom_root_under_grad_uses_the_implicit_rule():
+    # custom_root's rule evaluates the traced function (no `sow` call): its
+    # sows were not seen, so a copy of the solver was differentiated, and JAX
+    # refused to reverse its while loop
+    def newton(f, x0):
+        def body(c):
+            x, i = c
+            return x - f(x) / jax.grad(f)(x), i + 1
+        return lax.while_loop(lambda c: (c[1] < 20) & (jnp.abs(f(c[0])) > 1e-6),
+                              body, (x0, 0))[0]
+
+    def loss(a, sow, eps=0., eps_f=0.):
+        def f(x):
+            return sow(x ** 2 - a, "fin") + eps_f
+        x = lax.custom_root(f, 1.0, newton, lambda g, y: y / g(1.0))
+        return jnp.sin(sow(x * a, "after") + eps)
+    sown = lambda v, name: lh.sow(v, tag="t", name=name, mode="clobber")
+    d = lh.reap(jax.grad(lambda a: loss(a, sown)), tag="t")(2.)
+    plain = lambda v, name: v
+    close(d["after"], 2. * jnp.sqrt(2.))
+    close(d["vjp", "after"], jax.grad(lambda e: loss(2., plain, eps=e))(0.))
+    # through the implicit-function rule: f(x) + e = 0 moves the root
+    close(d["vjp", "fin"], jax.grad(lambda e: loss(2., plain, eps_f=e))(0.), atol=1e-4)
+    close(jax.grad(lambda a: loss(a, sown))(2.), jax.grad(lambda a: loss(a, plain))(2.))

@@ -70,3 +70,25 @@ def test_reading_a_leaf_saves_what_the_hand_written_program_saves(policy):
         y, hs = body(x)
         return jnp.sum(y ** 2) + jnp.sum(hs ** 2)
     assert _residual_avals(harvested, ws, x) == _residual_avals(jax.jit(hand), ws, x)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_vjp_inside_a_harvest_saves_what_it_saves_outside(policy):
+    # jax.vjp run inside the harvest: its residuals are the leaves of the
+    # backward function. A policy that saves the site's value saved both the
+    # site's input and output (one more residual per site).
+    ws, x = jnp.full((8, 3, 3), 0.3), jnp.ones(3)
+    f = _model(POLICIES[policy], "append")
+
+    def residuals(ws, x):
+        return jax.tree_util.tree_leaves(jax.vjp(f, ws, x)[1])
+    inside, _ = lh.call_and_reap(residuals, tag="t")(ws, x)
+    outside = residuals(ws, x)
+    assert sorted(map(str, map(jax.typeof, inside))) == sorted(
+        map(str, map(jax.typeof, outside)))
+    # the harvested gradient and a plant under it stay right
+    d = lh.reap(jax.grad(f), tag="t")(ws, x)
+    hs = lh.reap(f, tag="t")(ws, x)["h"]
+    assert jnp.allclose(d["h"], hs)
+    planted = lh.plant(jax.grad(f), tag="t")({"h": hs}, ws, x)
+    assert jnp.allclose(planted, jax.grad(f)(ws, x), atol=1e-5)

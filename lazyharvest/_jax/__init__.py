@@ -104,6 +104,7 @@ from lazyharvest._jax.differentiation import (  # noqa: F401
     has_tangent,
     linear_zero,
     linearization_rules,
+    policy_saves,
     primal_of,
     records_program,
     register_bind_hook,

@@ -35,6 +35,16 @@ def register_remat_rule(prim: Primitive, rule: Callable) -> None:
     pe.partial_eval_jaxpr_custom_rules[prim] = rule
 
 
+def policy_saves(saveable: Callable, eqn: JaxprEqn) -> bool:
+    """Whether a jax.checkpoint policy (`saveable`, as a remat rule gets it)
+    saves the outputs of `eqn` (rather than recomputing them)."""
+    case = saveable(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)
+    if isinstance(case, bool):
+        return case
+    saved = getattr(_pe, "SaveableType", None)  # (an enum from jax 0.4.3x)
+    return saved is not None and isinstance(case, saved)
+
+
 def remat_rule(prim: Primitive) -> Callable:
     """The rule `register_remat_rule` registered for `prim`."""
     return pe.partial_eval_jaxpr_custom_rules[prim]
