@@ -174,11 +174,9 @@ def is_recomputed(params: dict) -> bool:
     """A copy of a site, not an occurrence: rematerialized by jax.checkpoint,
     or recomputed by a custom_vjp backward rule (its value only: the
     derivatives of a rule's recomputation are sites)."""
-    r = params["recompute"]
-    if isinstance(r, str) and r == RULE_COPY:
-        path = params["path"]
-        return not (path and path[-1] in (JVP, VJP))
-    return bool(r)
+    if params["recompute"] == RULE_COPY:
+        return params["path"][-1:] not in ((JVP,), (VJP,))
+    return bool(params["recompute"])
 
 
 # --- the primitive ---

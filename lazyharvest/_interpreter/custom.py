@@ -128,15 +128,6 @@ def _recomputing_bwd(bwd: Any, sown: set, scopes: tuple) -> Any:
     return _jax.wrapped_like(rule_bwd, bwd)
 
 
-def _staged_bwd(bwd: Any, call_jaxpr: _jax.ClosedJaxpr) -> Any:
-    """A staged call's `bwd`, its recomputations marked: the names are those
-    its primal function sows."""
-    sown = {(tag, scopes, name) for tag in active_tags()
-            for path, scopes, name in count_occurrences(call_jaxpr.jaxpr, Harvest(tag))
-            if not path or path[-1] == PRIMAL}
-    return _recomputing_bwd(bwd, sown, current_scopes()) if sown else bwd
-
-
 def _as_primal(params: dict, sown: set) -> dict:
     """A harvested site of a forward rule: a primal site of this level."""
     if params["path"] or params["tag"] not in active_tags():
@@ -178,8 +169,7 @@ def _rewritten(fn: Callable, args: Sequence[Any], rewrite: Callable[[dict], dict
 
 
 def _make_custom_bind(with_sites: Callable[..., tuple],
-                      rule_sites: Callable[..., list | None],
-                      staged_bwd: Callable[[Any, Any], Any] | None = None) -> Callable:
+                      rule_sites: Callable[..., list | None]) -> Callable:
     def make(default: Callable) -> Callable:
         def bind_with_trace(trace, args, avals, params):
             if not active_tags():
@@ -191,8 +181,6 @@ def _make_custom_bind(with_sites: Callable[..., tuple],
                     return outs
             elif any(_jax.has_tangent(trace, x) for x in args):
                 params = _jax.replace_subfuns(params, with_sites)
-                if staged_bwd is not None:
-                    params = _jax.replace_staged_bwd(params, staged_bwd)
             return default(trace, args, avals, params)
         return bind_with_trace
     return make
@@ -413,7 +401,7 @@ if _jax.CUSTOM_CALL_HOOKS:  # (jax 0.8: these sites stay unreaped)
     _jax.register_bind_hook(_jax.custom_jvp_call_p,
                             _make_custom_bind(_jvp_with_sites, _jvp_rule_sites))
     _jax.register_bind_hook(_jax.custom_vjp_call_p,
-                            _make_custom_bind(_fwd_with_sites, _vjp_rule_sites, _staged_bwd))
+                            _make_custom_bind(_fwd_with_sites, _vjp_rule_sites))
 
 
 def _custom_vmap(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call, **_) -> list:

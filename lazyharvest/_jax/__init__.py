@@ -111,7 +111,6 @@ from lazyharvest._jax.differentiation import (  # noqa: F401
     register_linearization,
     register_remat_rule,
     remat_rule,
-    replace_staged_bwd,
     replace_subfuns,
     tangent_trace,
     trace_wrapped,

@@ -79,15 +79,6 @@ def replace_subfuns(params: dict, make: Callable[..., tuple | None]) -> dict:
     return params if new is None else dict(params, subfuns=new)
 
 
-def replace_staged_bwd(params: dict, make: Callable[[Any, Any], Any]) -> dict:
-    """`params` of a `custom_vjp_call` bound from a jaxpr's eqn (no
-    `subfuns`: a call staged inside a `jit` or a loop, differentiated later)
-    with its backward function replaced by `make(bwd, call_jaxpr)`."""
-    if "subfuns" in params or "bwd" not in params or "call_jaxpr" not in params:
-        return params
-    return dict(params, bwd=make(params["bwd"], params["call_jaxpr"]))
-
-
 def call_bwd(bwd: Any, *args: Any) -> tuple:
     """The cotangents a custom_vjp call's wrapped backward function `bwd`
     (from `params["subfuns"]`) gives for `args` (residuals, then cotangents)."""

@@ -723,3 +723,18 @@ def test_hijax_call_hi_primitive(flag):
     assert "sin" in inner, (
         f"the jaxprs of a {type(hi).__name__} (hijax._pp_hi_subjaxprs, or its "
         f"attributes before 0.12) no longer hold the body on jax {V}: {inner}")
+
+
+def test_jaxpr_and_eqn_replace_rewrite_params_in_nested_bodies():
+    # map_params: Jaxpr.replace(eqns=...), JaxprEqn.replace(params=...), bodies
+    # as ClosedJaxpr params (a while loop's)
+    def f(x, power):
+        return lax.while_loop(lambda c: c < 3., lambda c: c ** power + 1., x)
+    closed = jax.make_jaxpr(lambda x: f(x, 2))(0.5)
+    prim = lax.integer_pow_p
+    assert layer.map_params(closed.jaxpr, prim, lambda p: p) is closed.jaxpr, (
+        f"jax {V}: an unchanged jaxpr is not shared")
+    new = layer.map_params(closed.jaxpr, prim, lambda p: dict(p, y=3))
+    assert isinstance(_only(new.eqns, "while").params["body_jaxpr"], layer.ClosedJaxpr)
+    close(layer.eval_jaxpr(new, closed.consts, 0.5)[0], f(0.5, 3))
+    close(layer.eval_jaxpr(closed.jaxpr, closed.consts, 0.5)[0], f(0.5, 2))

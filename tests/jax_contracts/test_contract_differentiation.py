@@ -556,3 +556,13 @@ def test_jaxpr_replace_effects():
     assert layer_pe.keep_effect in shown.jaxpr.effects and shown.jaxpr.eqns == closed.jaxpr.eqns, (
         f"Jaxpr.replace(effects=...) changed on jax {V}")
     close(jax.core.eval_jaxpr(shown.jaxpr, shown.consts, 2.), [[2., 4.]])
+
+
+def test_a_remat_rule_gets_the_policy_as_saveable():
+    # policy_saves: a jax.checkpoint policy called as (prim, *avals, **params),
+    # returning a bool or pe.SaveableType / RecomputeType
+    from lazyharvest._jax import differentiation as dl
+    eqn = jax.make_jaxpr(jnp.sin)(1.).jaxpr.eqns[0]
+    assert dl.policy_saves(jax.checkpoint_policies.everything_saveable, eqn)
+    assert not dl.policy_saves(jax.checkpoint_policies.nothing_saveable, eqn)
+    assert not dl.policy_saves(jax.checkpoint_policies.dots_saveable, eqn)
