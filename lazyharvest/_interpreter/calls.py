@@ -64,11 +64,11 @@ def _high_level(run: Run, eqn: _jax.JaxprEqn, invals: list, *, _prim, **_) -> li
     left unreaped."""
     flag = _jax.hi_prim_flag(_prim)
     what = f"{type(_prim).__name__}" + (f", which JAX stages with {flag} on," if flag else "")
-    fix = (f" Turn the flag off for this program (jax.config.update({flag!r}, False))"
-           if flag else "")
+    fix = (f"Turn the flag off for this program (jax.config.update({flag!r}, False)),"
+           " or move" if flag else "Move")
     raise HarvestError(
         f"harvest of tag {run.harvest.tag!r}: sites inside {what} are not supported "
-        f"yet on jax {jax.__version__}.{fix}, or move the sow outside it.")
+        f"yet on jax {jax.__version__}. {fix} the sow outside it.")
 
 
 if _jax.call_hi_primitive_p is not None:  # (jax >= 0.10)
