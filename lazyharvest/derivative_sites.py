@@ -147,11 +147,14 @@ def _constant_site(default, kind, trace, args, avals, params):
     leaves = avals[:len(avals) - len(mask)]
     with _jax.current_trace(_jax.tangent_trace(trace)), _jax.no_constant_folding(), \
             _jax.keep_staged(_holds_tangent_sites):
-        if kind == "vjp":
+        if kind == "vjp" or _jax.splitting_checkpoint():
             # Reverse mode: a zero the backward pass treats as linear, flowing
             # on as the site's tangent, so the site's cotangent (d out / d site)
-            # arrives and is recorded like any other.
-            zeros = [_jax.linear_zero(a) if f else _jax.zeros_tangent(a)
+            # arrives and is recorded like any other. (jax.checkpoint's body
+            # is differentiated by jvp: its zero flows on too, and the split
+            # makes it linear: `_checkpointed`.)
+            linear = kind == "vjp"
+            zeros = [_jax.linear_zero(a) if f and linear else _jax.zeros_tangent(a)
                      for a, f in zip(leaves, floats)]
             tangents = sow_p.bind(*zeros, *mask, path=path + (JVP,), **rest, constant=True)
             return [_jax.with_tangent(trace, x, t) if f else x
@@ -169,7 +172,8 @@ def _make_partial_eval(previous):
     primal sites keep `previous`, which holds them inside scan loops."""
     def partial_eval(trace, *tracers, **params):
         if _is_derivative(params):
-            return _jax.partial_eval_kept(trace, sow_p, tracers, params)
+            return _jax.partial_eval_kept(trace, sow_p, tracers, params,
+                                          linear=bool(params.get("constant")))
         return previous(trace, *tracers, **params)
     return partial_eval
 
@@ -181,17 +185,20 @@ def _checkpointed(rule):
     forward part and a (rematerialized) linear part. A tangent site with no
     unknown input (the zero tangent recorded for a constant site by
     `_constant_site`, or one in a loop given a zero tangent by
-    `_make_body_bind`) would land in the forward part and show as a tangent
-    under reverse mode, where no cotangent can reach it: it passes its value
-    on without being a site. Constant sites in a checkpointed function get no
-    derivative keys under `jax.linearize`, `jax.vjp` or `jax.grad`
-    (docs/semantics.md).
+    `_make_body_bind`) would land in the forward part, where no cotangent can
+    reach it. It is staged in the linear part instead, its zero passed as a
+    residual and marked `constant`: the transpose of that part reads the zero
+    from a fresh reference (`_make_partial_eval`), so the site's cotangent
+    arrives, as for a constant site outside jax.checkpoint.
     """
     def remat_rule(saveable, unks_in, inst_in, eqn):
         path = eqn.params["path"]
         if path and path[-1] == JVP and not any(unks_in):
             n = len(eqn.outvars)
-            return _jax.identity_eqn(eqn), None, [False] * n, [False] * n, []
+            res = [v for v, inst in zip(eqn.invars, inst_in)
+                   if not inst and not isinstance(v, _jax.Literal)]
+            staged = _jax.replace_eqn_params(eqn, constant=True)
+            return None, staged, [True] * n, [True] * n, res
         return rule(saveable, unks_in, inst_in, eqn)
     return remat_rule
 
@@ -372,7 +379,7 @@ def _transposes_sites(params: dict) -> bool:
 
 # Bodies of jit, scan and cond. (Not while_loop: JAX cannot differentiate one
 # in reverse mode, nor split one for jax.linearize; nor jax.checkpoint, whose
-# constant sites have no keys.)
+# split has its own rule: `_checkpointed`.)
 for _prim in (_jax.jit_p, _jax.scan_p, _jax.cond_p):
     _jax.wrap_linearization(_prim, _holds_tangent_sites)
     _jax.wrap_dce_rule(_prim, _holds_tangent_sites, _holds_constant_sites)

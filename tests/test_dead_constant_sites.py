@@ -334,19 +334,51 @@ def test_compile_time_eval_site_is_reaped_and_planted():
     assert float(h(X)) == float(jnp.sum(jnp.arange(3.) * 2. * X))  # outside a harvest: as before
 
 
-def test_constant_site_in_checkpoint_under_reverse_mode():
-    # Not supported (docs/semantics.md): jax.checkpoint differentiates its body
-    # with jvp, then partial evaluation splits it; a zero made inside the body
-    # is known there, so it lands in the forward part, where no cotangent
-    # reaches it. The site then has no derivative key under reverse mode or
-    # jax.linearize (and shows no tangent either); forward mode has its zero.
-    h = jax.checkpoint(ppo)
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.everything_saveable,
+                                    jax.checkpoint_policies.dots_saveable])
+def test_constant_site_in_checkpoint_under_reverse_mode(policy):
+    # jax.checkpoint differentiates its body with jvp, then splits it: the
+    # constant sites' zeros are staged in the linear part, so their cotangents
+    # arrive as outside jax.checkpoint (d out / d site), and jax.linearize's
+    # and jax.vjp's functions hold every site.
+    h = jax.checkpoint(ppo, policy=policy)
     d = reaped(jax.grad(h), X)
-    assert set(d.keys()) == {"c", "adv", "y", ("vjp", "y")}
-    assert set(reaped(jax.vjp(h, X)[1], 1.).keys()) == {"y"}
-    assert set(reaped(jax.linearize(h, X)[1], TX).keys()) == {"y"}
+    assert set(d.keys()) == {"c", "adv", "y", ("vjp", "c"), ("vjp", "adv"), ("vjp", "y")}
+    want = cotangents(ppo, X, ["c", "adv", "y"])
+    for name in ("c", "adv", "y"):
+        close(d["vjp", name], want[name])
+    close(jax.grad(h)(X), jax.grad(ppo)(X))  # outside a harvest: as before
+    bwd = reaped(jax.vjp(h, X)[1], 2.)
+    assert set(bwd.keys()) == {"c", "adv", "y"}
+    for name, ct in cotangents(ppo, X, ["c", "adv", "y"], ct=2.).items():
+        close(bwd[name], ct)
+    lin = reaped(jax.linearize(h, X)[1], TX)
+    assert set(lin.keys()) == {"c", "adv", "y"}
+    close(lin["c"], jnp.zeros(3))
+    close(lin["adv"], jnp.zeros(3))
+    close(lin["y"], jnp.cos(X) * TX)
     d = reaped(lambda x: jax.jvp(h, (x,), (TX,)), X)
     close(d["jvp", "c"], jnp.zeros(3))
+    T.check_linearize(h, X, tag="t", strict_keys=True)
+    T.check_vjp(h, X, tag="t", strict_keys=True)
+
+
+def test_constant_site_in_jitted_checkpoint_in_a_scan():
+    # the checkpoint's split happens inside the scan's and the jit's own
+    # rules; a clobber site's cotangent is its last occurrence's
+    def loss(x, e=None):
+        def body(carry, i):
+            def block(v):
+                c = C0 * (i + 1.)  # depends on the iteration, not on x
+                c = c + e * (i == 1.) if e is not None else lh.sow(
+                    c, tag="t", name="c", mode="clobber")
+                return jnp.sum(c * jnp.sin(v))
+            return carry + jax.jit(jax.checkpoint(block))(x), None
+        return lax.scan(body, 0., jnp.arange(2.))[0]
+    d = reaped(jax.grad(loss), X)
+    close(d["c"], C0 * 2.)
+    close(d["vjp", "c"], jax.grad(lambda e: loss(X, e))(jnp.zeros(3)))
+    close(d["vjp", "c"], jnp.sin(X))
 
 
 def test_reverse_over_reverse_spells_out_the_levels():

@@ -107,6 +107,7 @@ from lazyharvest._jax.differentiation import (  # noqa: F401
     policy_saves,
     primal_of,
     records_program,
+    splitting_checkpoint,
     register_bind_hook,
     register_linearization,
     register_remat_rule,

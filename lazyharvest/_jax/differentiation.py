@@ -195,9 +195,46 @@ def linear_zero(aval: Any) -> Any:
 
 
 def with_tangent(trace: Any, primal: Any, tangent: Any) -> Any:
-    """The tracer of the `jax.linearize`/`jax.vjp` trace `trace` for a primal
-    value (on its parent trace) and its tangent (on its tangent trace)."""
+    """The tracer of the differentiation trace `trace` for a primal value (on
+    its parent trace) and its tangent (on its tangent trace)."""
+    if isinstance(trace, _ad.JVPTrace):
+        return _ad.JVPTracer(trace, primal, tangent)
     return _ad.LinearizeTracer(trace, primal, tangent)
+
+
+# Reverse mode differentiates `jax.checkpoint`'s body with jvp, then splits
+# that jvp into a forward and a linear part (`linearize_from_jvp`). While the
+# body's jvp is traced for such a split, a flag says so (a user context: it is
+# part of the keys of JAX's caches, so a jvp traced for forward mode is not
+# reused), and a constant site's zero tangent flows on (`_constant_site`):
+# the linear part then carries its cotangent.
+_splitting_checkpoint = jax.make_user_context(default_value=False)
+
+
+def splitting_checkpoint() -> bool:
+    """Whether the jvp being traced is `jax.checkpoint`'s, for reverse mode
+    or `jax.linearize`."""
+    return bool(_splitting_checkpoint.value)
+
+
+def _wrap_checkpoint_jvp() -> None:
+    from jax._src.ad_checkpoint import remat_p
+
+    original = _ad.primitive_jvps[remat_p]
+    if getattr(original, "_lazyharvest", False):
+        return
+
+    def jvp(primals, tangents, **params):
+        if not any(isinstance(t, _pe.JaxprTracer) for t in tangents):
+            return original(primals, tangents, **params)  # forward mode
+        with _splitting_checkpoint(True):
+            return original(primals, tangents, **params)
+
+    jvp._lazyharvest = True  # type: ignore[attr-defined]
+    _ad.primitive_jvps[remat_p] = jvp
+
+
+_wrap_checkpoint_jvp()
 
 
 def with_zero_tangent(trace: Any, x: Any, linear: bool) -> Any:

@@ -206,11 +206,19 @@ def register_partial_eval_rule(prim: Primitive, make_rule: Callable) -> None:
 
 
 def partial_eval_kept(trace: Any, prim: Primitive, tracers: Sequence[Any],
-                      params: dict) -> list:
+                      params: dict, linear: bool = False) -> list:
     """Partial evaluation of `prim` as JAX does it by default, except that an
     eqn it stages stays in the jaxpr even if no output is used (as an eqn
-    with an effect would)."""
-    outs = trace.default_process_primitive(prim, list(tracers), params)
+    with an effect would). With `linear`, an eqn whose inputs are all known
+    is staged too, its inputs read from fresh references: the backward pass
+    that transposes the staged jaxpr then treats it as linear (a cotangent
+    reaches it), as it treats JAX's own references."""
+    tracers = list(tracers)
+    if linear and all(t.is_known() for t in tracers):
+        with _core.set_current_trace(trace):
+            tracers = [_core.freeze(_core.new_ref(trace.instantiate_const(t)))
+                       for t in tracers]
+    outs = trace.default_process_primitive(prim, tracers, params)
     recipe = getattr(outs[0], "recipe", None) if outs else None
     if isinstance(recipe, _pe.JaxprEqnRecipe):
         trace.effect_handles.append(_pe.EffectHandle(list(recipe.in_tracers), recipe))
