@@ -20,7 +20,14 @@ import weakref
 
 from lazyharvest import _jax
 from lazyharvest.keys import JVP, PRIMAL, VJP
-from lazyharvest.primitive import active_tags, count_sow, is_masked, planted_value, sow_p
+from lazyharvest.primitive import (
+    active_tags,
+    count_sow,
+    is_masked,
+    planted_value,
+    sow_effect,
+    sow_p,
+)
 
 __all__: list[str] = []
 
@@ -376,6 +383,18 @@ def _transposes_sites(params: dict) -> bool:
     """A body holding tangent sites, transposed while a harvest is traced."""
     return bool(active_tags()) and _bodies_hold_tangent_sites(params)
 
+
+def _harvested(params: dict) -> dict:
+    """A site's params as they are while its tag is harvested (an effect)."""
+    return dict(params, effect=True) if params["tag"] in active_tags() else params
+
+
+# A checkpoint whose outputs nobody uses keeps its tangent sites in the linear
+# part, and its transpose runs them (its body's sites then carry their effect:
+# the transpose evaluates the body again, partially).
+_jax.wrap_linearization(_jax.remat_p, _holds_tangent_sites)
+_jax.wrap_transpose(_jax.remat_p, _transposes_sites,
+                    lambda jaxpr: _jax.map_params(jaxpr, sow_p, _harvested, sow_effect))
 
 # Bodies of jit, scan and cond. (Not while_loop: JAX cannot differentiate one
 # in reverse mode, nor split one for jax.linearize; nor jax.checkpoint, whose

@@ -58,6 +58,7 @@ def solve(y0, a):
     return odeint(dynamics, y0, jnp.array([0., 1.]), a)[-1]
 
 
+@needs_custom_call_hooks
 def test_plant_in_odeint_dynamics():
     y0, a = jnp.float32(1.0), jnp.float32(2.0)
     planted = lambda a: lh.plant(solve, tag="t")({"rate": jnp.float32(-0.5)}, y0, a)

@@ -145,6 +145,40 @@ def test_dead_site_in_checkpoint_outside_reap():
     close(reaped(jax.vjp(h, 3.)[1], 1.)["y"], 0.)
 
 
+@pytest.mark.parametrize("in_cond", [False, True])
+def test_checkpoint_whose_outputs_are_unused_outside_reap(in_cond):
+    # the whole checkpoint is dead code: its linear part is kept for its site,
+    # and its transpose runs it (a zero cotangent), also from a cond inside
+    def block(v):
+        site = lambda u: lh.sow(u * 2., tag="t", name="s")  # noqa: E731
+        return jnp.cos(lax.cond(v[0] > 0, site, site, v) if in_cond else site(v))
+
+    def h(x):
+        jax.checkpoint(block)(x)
+        return jnp.sum(jnp.cos(x))
+    close(reaped(jax.linearize(h, X)[1], TX)["s"], jax.jvp(lambda x: x * 2., (X,), (TX,))[1])
+    bwd = reaped(jax.vjp(h, X)[1], 1.)
+    assert set(bwd.keys()) == {"s"}
+    close(bwd["s"], jnp.zeros(3))
+    close(jax.vjp(h, X)[1](1.)[0], -jnp.sin(X))  # outside a harvest: as before
+
+
+def test_dead_cond_in_a_live_checkpoint_outside_reap():
+    # the checkpoint's output is used, the cond holding the site is not
+    def block(v):
+        site = lambda u: lh.sow(jnp.cos(u), tag="t", name="s")  # noqa: E731
+        lax.cond(v[0] > 0, site, site, v)
+        return jnp.sin(v)
+
+    def h(x):
+        return jnp.sum(jax.checkpoint(block)(x))
+    close(reaped(jax.linearize(h, X)[1], TX)["s"], jax.jvp(jnp.cos, (X,), (TX,))[1])
+    bwd = reaped(jax.vjp(h, X)[1], 1.)
+    assert set(bwd.keys()) == {"s"}
+    close(bwd["s"], jnp.zeros(3))
+    close(jax.vjp(h, X)[1](1.)[0], jnp.cos(X))
+
+
 # --- constant sites: no dependence on the differentiated inputs -----------------
 
 def ppo(x, e=None):

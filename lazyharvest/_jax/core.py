@@ -208,29 +208,37 @@ def replace_eqn_params(eqn: JaxprEqn, **params: Any) -> JaxprEqn:
                          eqn.source_info, eqn.ctx)
 
 
-def map_params(jaxpr: Jaxpr, prim: Primitive, fn: Callable[[dict], dict]) -> Jaxpr:
+def map_params(jaxpr: Jaxpr, prim: Primitive, fn: Callable[[dict], dict],
+               effect: Effect | None = None) -> Jaxpr:
     """`jaxpr` with the params of every eqn of `prim`, in it and in the
     bodies among its eqns' params (loops, calls, branches), replaced by
-    `fn(params)`. Unchanged parts are shared."""
+    `fn(params)`. Unchanged parts are shared. With `effect`, each changed
+    jaxpr also lists `effect` among its effects (the primitives that hold a
+    body read its effects from there when they are bound again)."""
     eqns, changed = [], False
     for e in jaxpr.eqns:
-        params = {k: _map_param(v, prim, fn) for k, v in e.params.items()}
+        params = {k: _map_param(v, prim, fn, effect) for k, v in e.params.items()}
         if e.primitive is prim:
             params = fn(params)
         if any(params[k] is not e.params.get(k) for k in params):
             e, changed = e.replace(params=params), True
         eqns.append(e)
-    return jaxpr.replace(eqns=eqns) if changed else jaxpr
+    if not changed:
+        return jaxpr
+    if effect is None:
+        return jaxpr.replace(eqns=eqns)
+    return jaxpr.replace(eqns=eqns, effects=jaxpr.effects | {effect})
 
 
-def _map_param(v: Any, prim: Primitive, fn: Callable[[dict], dict]) -> Any:
+def _map_param(v: Any, prim: Primitive, fn: Callable[[dict], dict],
+               effect: Effect | None) -> Any:
     if isinstance(v, Jaxpr):
-        return map_params(v, prim, fn)
+        return map_params(v, prim, fn, effect)
     if isinstance(v, ClosedJaxpr):
-        j = map_params(v.jaxpr, prim, fn)
+        j = map_params(v.jaxpr, prim, fn, effect)
         return v if j is v.jaxpr else ClosedJaxpr(j, v.consts)
     if isinstance(v, (tuple, list)) and any(isinstance(x, (Jaxpr, ClosedJaxpr)) for x in v):
-        new = [_map_param(x, prim, fn) for x in v]
+        new = [_map_param(x, prim, fn, effect) for x in v]
         return v if all(a is b for a, b in zip(new, v)) else type(v)(new)
     return v
 

@@ -293,11 +293,15 @@ def wrap_linearization(prim: Primitive, keep: Callable[[JaxprEqn], bool],
     _ad.primitive_linearizations[prim] = rule
 
 
-def wrap_transpose(prim: Primitive, keep: Callable[[dict], bool]) -> None:
-    """`prim`'s transpose (jit, scan, cond) runs the backward pass of its body even
-    when every cotangent reaching it is zero, if `keep(params)`: JAX skips a
-    body whose cotangents are all zero unless it has effects, and a site
-    there still records its (zero) cotangent."""
+def wrap_transpose(prim: Primitive, keep: Callable[[dict], bool],
+                   show: Callable[[Jaxpr], Jaxpr] | None = None) -> None:
+    """`prim`'s transpose (jit, scan, cond, remat) runs the backward pass of its
+    body even when every cotangent reaching it is zero, if `keep(params)`:
+    JAX skips a body whose cotangents are all zero unless it has effects, and
+    a site there still records its (zero) cotangent. With `show(jaxpr)`, a
+    body whose eqns themselves carry an effect, the body is shown so whatever
+    the cotangents (remat's transpose partially evaluates its body again,
+    which recomputes its effects from its eqns and drops dead ones)."""
     original = _ad.fancy_transposes.get(prim)
     if original is None or getattr(original, "_lazyharvest", False):
         return
@@ -306,12 +310,16 @@ def wrap_transpose(prim: Primitive, keep: Callable[[dict], bool]) -> None:
         if isinstance(x, ClosedJaxpr):
             inner = x.jaxpr.replace(effects=x.jaxpr.effects | {keep_effect})
             return ClosedJaxpr(inner, x.consts)
+        if isinstance(x, Jaxpr) and show is not None:  # (remat's body)
+            return show(x)
         if isinstance(x, tuple):
             return tuple(shown(y) for y in x)
         return x
 
     def rule(cts_in, *args, **params):
-        if all(type(c) is Zero for c in cts_in) and keep(params):
+        # (`show`: remat's transpose evaluates its body again, partially,
+        # which may drop a dead part holding sites whatever the cotangents)
+        if (show is not None or all(type(c) is Zero for c in cts_in)) and keep(params):
             params = {n: shown(v) for n, v in params.items()}
         if prim is scan_p and any(type(c) is Zero for c in cts_in):
             # A scan kept for its sites may get a symbolic-zero cotangent for
