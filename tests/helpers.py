@@ -67,7 +67,8 @@ _CORPUS: dict = {}
 OPTIONAL = frozenset({
     "python_loop", "jit_layer", "stop_gradient_site", "cond_different_sites", "vmap_cond",
     "zero_trip_scan", "zero_trip_keeps_earlier", "dead_while_sown_before", "nested_while",
-    "scan_in_while", "custom_jvp", "custom_vjp", "custom_vjp_closure", "label_names",
+    "scan_in_while", "custom_jvp", "custom_vjp", "custom_vjp_closure", "custom_vjp_recompute",
+    "label_names",
     "label_scopes"})
 
 

@@ -191,3 +191,76 @@ def test_custom_root_under_grad_uses_the_implicit_rule():
     # through the implicit-function rule: f(x) + e = 0 moves the root
     close(d["vjp", "fin"], jax.grad(lambda e: loss(2., plain, eps_f=e))(0.), atol=1e-4)
     close(jax.grad(lambda a: loss(a, sown))(2.), jax.grad(lambda a: loss(a, plain))(2.))
+
+
+# --- cotangent plants over several backward passes: row i goes to occurrence i ---
+
+C_ROWS = jnp.arange(12.).reshape(6, 2) / 10.  # one planted cotangent per occurrence
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_python_loop_of_grad_steps_takes_each_planted_cotangent_at_its_step(jit):
+    grad = jax.jit(jax.grad(_loss)) if jit else jax.grad(_loss)
+
+    def train(w, x):
+        for _ in range(3):
+            w = w - 0.1 * grad(w, x)
+        return w
+
+    got = lh.plant(train, tag="t")({("vjp", "h"): C_ROWS}, 1.5, X)
+    # plain JAX: a cotangent c added at an occurrence h is the gradient of
+    # loss + <c, h> (rows 2s, 2s+1 belong to step s)
+    w = 1.5
+    for s in range(3):
+        step_loss = lambda w, s=s: _loss_eps(w, X, jnp.zeros((2, 2))) + sum(
+            jnp.vdot(C_ROWS[2 * s + i], h) for i, h in enumerate(_hs(w, X)))
+        w = w - 0.1 * jax.grad(step_loss)(w)
+    close(got, w)
+
+
+def _hs(w, x):
+    hs, h = [], x
+    for _ in range(2):
+        h = jnp.sin(w * h)
+        hs.append(h)
+    return hs
+
+
+def test_grad_before_and_inside_a_scan_takes_each_planted_cotangent():
+    u = lambda q: _u(q, lambda v: lh.sow(v, tag="t", name="u", mode="append"))
+
+    def hmc(q):
+        g = jax.grad(u)(q)
+
+        def step(c, _):
+            q, g = c
+            q = q - 0.1 * g
+            return (q, jax.grad(u)(q)), None
+        return lax.scan(step, (q, g), None, length=3)[0][0]
+
+    cts = C_ROWS[:4]
+    got = lh.plant(jax.jit(hmc), tag="t")({("vjp", "u"): cts}, Q0)
+    u_ct = lambda q, c: _u(q, lambda v: v) + jnp.vdot(c, jnp.cos(q) * q)
+    q = Q0
+    g = jax.grad(u_ct)(q, cts[0])
+    for i in range(3):
+        q = q - 0.1 * g
+        g = jax.grad(u_ct)(q, cts[i + 1])
+    close(got, q)
+
+
+def test_python_loop_of_grad_steps_adds_a_clobber_cotangent_at_the_last_occurrence():
+    sown = lambda v, i: lh.sow(v, tag="t", name="h", mode="clobber")
+
+    def train(w, x):
+        for _ in range(3):
+            w = w - 0.1 * jax.grad(lambda w: _inner_loss(w, x, sown))(w)
+        return w
+
+    c = jnp.array([0.5, -1.])
+    got = lh.plant(train, tag="t")({("vjp", "h"): c}, 1.5, X)
+    w = 1.5
+    for s in range(3):  # only the last step's last occurrence takes it
+        extra = (lambda w: jnp.vdot(c, _hs(w, X)[1])) if s == 2 else (lambda w: 0.)
+        w = w - 0.1 * jax.grad(lambda w: _loss_eps(w, X, jnp.zeros((2, 2))) + extra(w))(w)
+    close(got, w)

@@ -6,6 +6,8 @@ shows the counterexample. Bugs the laws found (since fixed) stay as
 `test_regression_*` tests, with a minimal reproducer checked against plain JAX.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,11 +34,11 @@ FAST_CONSTRUCTS = {"cond", "scan", "while", "jit", "checkpoint"}
 # Open bugs the generator's constructs find (docs/laws.md, "Bugs the laws
 # found"; reproducers there): the per-construct test leaves out these laws,
 # the property tests of these laws leave out the construct.
-KNOWN_BUGS: dict[str, set[int]] = {}
+KNOWN_BUGS: dict[str, set[int]] = {"custom_vjp_recompute": {5}}
 # the constructs whose bugs are in reverse mode (laws 5 and 7)
 REVERSE_BUGS: set[str] = set()
 # JAX has no forward mode through custom_vjp: laws 1 and 2 do not apply there
-NO_FORWARD = {"custom_vjp", "custom_vjp_closure"}
+NO_FORWARD = {"custom_vjp", "custom_vjp_closure", "custom_vjp_recompute"}
 # a site in a custom rule's primal function has no key in a linear/backward
 # function built outside the harvest (docs/laws.md, narrowed): the strict-key
 # tests leave these out
@@ -51,8 +53,10 @@ def constructs(names):
 
 
 # Few, small examples: every example compiles a handful of XLA programs.
-FEW = settings(max_examples=10, suppress_health_check=list(HealthCheck))
-FEWER = settings(max_examples=6, suppress_health_check=list(HealthCheck))
+# (LH_LAW_EXAMPLES widens a search: HYPOTHESIS_PROFILE=wide LH_LAW_EXAMPLES=500)
+_WIDE = int(os.environ.get("LH_LAW_EXAMPLES", 0))
+FEW = settings(max_examples=_WIDE or 10, suppress_health_check=list(HealthCheck))
+FEWER = settings(max_examples=_WIDE or 6, suppress_health_check=list(HealthCheck))
 
 
 @st.composite
@@ -110,7 +114,8 @@ def test_law4_recorded_jit(pa):
 @slow
 # no reverse mode through while_loop; REVERSE_BUGS: KNOWN_BUGS. Cotangents
 # planted at a random subset of sites.
-@given(program_and_args(exclude={"while"} | REVERSE_BUGS), st.integers(0, 2 ** 16))
+@given(program_and_args(exclude={"while", "custom_vjp_recompute"} | REVERSE_BUGS),
+       st.integers(0, 2 ** 16))
 def test_law5_vjp(pa, seed):
     p, args = pa
     T.check_vjp(p.fn, *args, tag=p.tag, subset=seed)

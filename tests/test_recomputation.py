@@ -225,3 +225,41 @@ def test_diffrax_default_adjoint_value_and_cotangent_are_the_last_forward_evalua
         return solve(vf, th, diffrax.Euler())
     close(d["h"], -0.7 * y0 * (1 - 0.07) ** 9)
     close(d["vjp", "h"], jax.grad(perturbed, argnums=1)(0.7, jnp.zeros(2)))
+
+
+X3 = jnp.array([0.5, 1.5, 2.5])
+
+
+def _checkpointing_rule():
+    """tanh(sow(sin(u))) whose backward rule re-runs it, site included."""
+    def primal(u):
+        return jnp.tanh(lh.sow(jnp.sin(u), tag="t", name="s"))
+    g = jax.custom_vjp(primal)
+    g.defvjp(lambda u: (primal(u), u), lambda u, ct: jax.vjp(primal, u)[1](ct))
+    return g
+
+
+def _loss_eps(x, e):  # plain JAX: the site perturbed by e
+    return jnp.sum(jnp.tanh(jnp.sin(x) + e) * 2.)
+
+
+def test_a_backward_function_built_before_the_harvest_reaps_the_cotangent_only():
+    # (found by the generator's custom_vjp_recompute construct, law 7: the
+    # rule's recomputed value was reaped as the site, its cotangent under an
+    # extra "vjp" level)
+    g = _checkpointing_rule()
+    bwd = jax.vjp(lambda x: jnp.sum(g(x) * 2.), X3)[1]
+    d = lh.reap(bwd, tag="t")(1.)
+    assert set(d.keys()) == {"s"}
+    close(d["s"], jax.grad(_loss_eps, argnums=1)(X3, jnp.zeros(3)))
+
+
+@pytest.mark.xfail(strict=True, reason="open (docs/laws.md, Bugs the laws found): a plant "
+                   "is a constant to a custom rule, so its gradient through a recomputing "
+                   "rule is zero, while the site's cotangent is the rule's")
+def test_open_plant_gradient_through_a_recomputing_rule_is_the_sites_cotangent():
+    g = _checkpointing_rule()
+    f = lambda x: jnp.sum(g(x) * 2.)  # noqa: E731
+    p = jnp.sin(X3)
+    got = jax.grad(lambda p: lh.plant(f, tag="t")({"s": p}, X3))(p)
+    close(got, jax.grad(_loss_eps, argnums=1)(X3, jnp.zeros(3)))

@@ -27,7 +27,7 @@ from lazyharvest._interpreter.sites import (
     count_occurrences,
     jaxpr_has_sites,
 )
-from lazyharvest.keys import PRIMAL
+from lazyharvest.keys import PRIMAL, VJP
 from lazyharvest.primitive import (
     RULE_COPY,
     active_tags,
@@ -125,7 +125,35 @@ def _recomputing_bwd(bwd: Any, sown: set, scopes: tuple) -> Any:
     def rule_bwd(*args: Any) -> Any:
         with at_scopes(scopes):
             return _rewritten(bwd.call_wrapped, args, lambda p: _as_recomputed(p, sown))
+    rule_bwd._recomputing = True  # type: ignore[attr-defined]
     return _jax.wrapped_like(rule_bwd, bwd)
+
+
+def _bwd_after_the_forward(bwd: Any) -> Any:
+    """A backward rule JAX runs in a harvest whose forward pass ran before it
+    (`reap(jax.vjp(f, x)[1])`): the names it differentiates itself (it sows
+    their cotangents) are recomputations where it sows their values, as the
+    forward pass sowed them (a checkpointing rule re-runs the body)."""
+    if not active_tags() or getattr(getattr(bwd, "f", None), "_recomputing", False):
+        return None
+
+    def rule_bwd(*args: Any) -> Any:
+        differentiated: set = set()
+        return _rewritten(bwd.call_wrapped, args, lambda p: _as_recomputed(p, differentiated),
+                          lambda jaxpr: _differentiated_names(jaxpr, differentiated))
+    return _jax.wrapped_like(rule_bwd, bwd)
+
+
+def _differentiated_names(jaxpr: _jax.Jaxpr, out: set) -> None:
+    """Adds to `out` the (tag, scopes, name) of the cotangent sites in `jaxpr`."""
+    def visit(params: dict) -> dict:
+        if params["path"] and params["path"][-1] == VJP:
+            out.add((params["tag"], params["scopes"], params["name"]))
+        return params
+    _jax.map_params(jaxpr, sow_p, visit)
+
+
+_jax.wrap_custom_lin_bwd(_bwd_after_the_forward)
 
 
 def _as_primal(params: dict, sown: set) -> dict:
@@ -145,11 +173,12 @@ def _as_recomputed(params: dict, sown: set) -> dict:
     return dict(params, recompute=RULE_COPY)
 
 
-def _rewritten(fn: Callable, args: Sequence[Any], rewrite: Callable[[dict], dict]) -> Any:
+def _rewritten(fn: Callable, args: Sequence[Any], rewrite: Callable[[dict], dict],
+               inspect: Callable[[_jax.Jaxpr], None] | None = None) -> Any:
     """`fn(*args)`, traced and evaluated with the params of its sows (in
-    every body it runs, also those traced before) replaced by `rewrite`.
-    Arguments and outputs other than arrays (flags, symbolic zeros) pass as
-    they are."""
+    every body it runs, also those traced before) replaced by `rewrite`
+    (after `inspect` has seen the traced jaxpr). Arguments and outputs other
+    than arrays (flags, symbolic zeros) pass as they are."""
     arrays = [isinstance(a, (jax.Array, np.ndarray)) for a in args]
     out_tree: list = []
 
@@ -162,6 +191,8 @@ def _rewritten(fn: Callable, args: Sequence[Any], rewrite: Callable[[dict], dict
         return [x for x in leaves if isinstance(x, jax.Array)]
     xs = [a for a, k in zip(args, arrays) if k]
     jaxpr, consts = _jax.trace_flat(traced, [jax.typeof(x) for x in xs], name="custom rule")
+    if inspect is not None:
+        inspect(jaxpr)
     outs = iter(_jax.eval_jaxpr(_jax.map_params(jaxpr, sow_p, rewrite), consts, *xs))
     tree, leaves = out_tree
     return jax.tree_util.tree_unflatten(

@@ -99,14 +99,16 @@ class _ScanPlants:
     @classmethod
     def of(cls, run: Run, jaxpr: _jax.Jaxpr, per_iter: Counts, length: int) -> _ScanPlants:
         self = cls(run, length)
+        for k, n_it in per_iter.items():  # (before this scan's cotangents)
+            run.count_primal(k, n_it * length)
         for k, pl in run.plants.items():
             n_it = per_iter.get(k)
             if not n_it or not (pl.mode == "append" or pl.additive):
                 continue
             done, n = run.cursor.get(k, 0), n_it * length
+            total = pl.total()
+            start = run.backward_end(k, pl, done) - n if runs_backward(k) else done
             run.cursor[k] = done + n
-            total = pl.leaves[0].shape[0] if pl.mode == "append" else pl.count
-            start = total - done - n if runs_backward(k) else done
             # owed: a cond before the scan was to take the plant but may not
             # sow (`Run.pending`), or the scan takes it and may not sow
             owes = n > 0 and pl.mode == "clobber" and runs_backward(k) and (

@@ -77,6 +77,7 @@ class Record:
 
 
 SOWN = "sown?"  # the last path entry of a flag's key, unlike any level or label
+_PASS = "pass"  # the first entry of the cursor's counts of backward passes
 
 
 def sown_key(key: RawKey) -> RawKey:
@@ -131,10 +132,9 @@ class Plant:
     add: bool = False  # plant(mode="add"): added to the site at every sow
     count: int = 0
 
-    def row(self, done: int, backward: bool) -> int:
-        """The program-order index of the occurrence after `done` evaluated ones."""
-        n = self.count if self.mode != "append" else self.leaves[0].shape[0]
-        return n - 1 - done if backward else done
+    def total(self) -> int:
+        """How many occurrences the plant covers."""
+        return self.count if self.mode != "append" else self.leaves[0].shape[0]
 
 
 EvalRule = Callable[..., list]
@@ -297,6 +297,44 @@ class Run:
         else:
             old.chunks.append(list(leaves))
 
+    # -- plants of cotangents over several backward passes --------------------
+    # A cotangent plant's rows are in program order, but backward passes
+    # evaluate cotangents in reverse, pass after pass (a Python loop of
+    # jax.grad steps). Per planted cotangent key the cursor also counts, under
+    # `_PASS` keys, where the current pass's rows begin (the cotangents of the
+    # passes before it) and how many primal occurrences it covers: its
+    # cotangents take the rows `begin + n - 1` down to `begin`. (In the
+    # cursor, these counts travel wherever the cursor does: into bodies,
+    # back out of them.)
+
+    def count_primal(self, key: RawKey, n: int = 1) -> None:
+        """Counts `n` primal occurrences of `key` for its cotangent's plant."""
+        path, scopes, name = key
+        if not path or path[-1] != PRIMAL:
+            return
+        dual = (path[:-1] + (VJP,), scopes, name)
+        if dual not in self.plants or not runs_backward(dual):
+            return
+        c = self.cursor
+        if c.get((_PASS, "ct", dual), 0):  # a cotangent ran since: a new pass
+            c[(_PASS, "begin", dual)] = c.get(dual, 0)
+            c[(_PASS, "n", dual)] = 0
+            c[(_PASS, "ct", dual)] = 0
+        c[(_PASS, "n", dual)] = c.get((_PASS, "n", dual), 0) + n
+
+    def backward_end(self, key: RawKey, plant: Plant, done: int) -> int:
+        """The row after those of the cotangents of `key` evaluated next,
+        `done` having been evaluated: the pass's rows run backward from its
+        last. Without a primal occurrence counted (a backward function built
+        outside the harvest), one pass over every row."""
+        c = self.cursor
+        c[(_PASS, "ct", key)] = 1
+        n = c.get((_PASS, "n", key), 0)
+        if not n:
+            return plant.total() - done
+        begin = c.get((_PASS, "begin", key), 0)
+        return begin + n - (done - begin)
+
     def begin_passes(self, primal_keys: Iterable[RawKey]) -> None:
         """A primal occurrence of a site begins a new backward pass for its
         cotangent, after those of the occurrences before it: a cotangent is
@@ -390,6 +428,7 @@ class Run:
             return out if mask is None else [*select(mask, out, leaves), mask]
         if not h.selects(params):  # still a site, for harvests outside this one
             return vals if self.side_pass else sow_p.bind(*vals, **params)
+        self.count_primal(key)
         self.begin_passes((key,))
         plant = self.plants.get(key)
         if plant is not None:
@@ -458,8 +497,8 @@ class Run:
         if plant is None:
             return vals
         done = self.cursor.get(key, 0)
+        row = self.backward_end(key, plant, done) - 1 if runs_backward(key) else done
         self.cursor[key] = done + 1
-        row = plant.row(done, runs_backward(key))
         if plant.mode == "append":
             how = Replay(row)
         else:

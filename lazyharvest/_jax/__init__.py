@@ -99,6 +99,7 @@ from lazyharvest._jax.core import (  # noqa: F401
 )
 from lazyharvest._jax.differentiation import (  # noqa: F401
     call_bwd,
+    wrap_custom_lin_bwd,
     differentiable,
     differentiation_kind,
     has_tangent,

@@ -79,6 +79,27 @@ def replace_subfuns(params: dict, make: Callable[..., tuple | None]) -> dict:
     return params if new is None else dict(params, subfuns=new)
 
 
+def wrap_custom_lin_bwd(make: Callable[[Any], Any]) -> None:
+    """The transpose of a custom_vjp call's linear part runs `make(bwd)` in
+    place of its backward function `bwd` (JAX's wrapped function), or `bwd`
+    where `make` returns None."""
+    prim = _ad.custom_lin_p
+    table = (_ad.fancy_transposes if prim in _ad.fancy_transposes
+             else _ad.primitive_transposes)  # (jax < 0.11)
+    original = table[prim]
+    if getattr(original, "_lazyharvest", False):
+        return
+
+    def rule(cts, *args, **params):
+        new = make(params["bwd"])
+        return original(cts, *args, **(params if new is None else dict(params, bwd=new)))
+    rule._lazyharvest = True  # type: ignore[attr-defined]
+    table[prim] = rule
+    node = getattr(_ad, "vjp_node", None)  # (see wrap_transpose)
+    if node is not None and table is _ad.fancy_transposes:
+        _ad.fancy_transposes[node(prim)] = rule
+
+
 def call_bwd(bwd: Any, *args: Any) -> tuple:
     """The cotangents a custom_vjp call's wrapped backward function `bwd`
     (from `params["subfuns"]`) gives for `args` (residuals, then cotangents)."""

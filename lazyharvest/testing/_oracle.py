@@ -368,9 +368,13 @@ class Interpreter:
         if st.kind == "vjp_closure":  # a module-level weight: both close over it
             w = closure_weight(st.closure, jnp.shape(env[st.src]))
 
+        # A recomputing rule differentiates the site itself: it has the
+        # cotangent JAX gives the plain function.
+        recomputes = st.kind == "vjp_recompute"
+
         def primal(u: Any) -> Any:
             return jnp.tanh(self.site(st.name, jnp.sin(u) * w, st.mode, ctx, sites,
-                                      under_rule=True))
+                                      under_rule=not recomputes))
 
         def plain(u: Any) -> Any:
             return jnp.tanh(jnp.sin(u) * w)
@@ -384,7 +388,10 @@ class Interpreter:
             gj.defjvp(lambda p, t: (plain(p[0]), derivative(p[0]) * t[0]))
             return [gj(env[st.src])]
         gv = jax.custom_vjp(primal)
-        gv.defvjp(lambda u: (plain(u), u), lambda u, ct: (derivative(u) * ct,))
+        if recomputes:
+            gv.defvjp(lambda u: (primal(u), u), lambda u, ct: jax.vjp(primal, u)[1](ct))
+        else:
+            gv.defvjp(lambda u: (plain(u), u), lambda u, ct: (derivative(u) * ct,))
         return [gv(env[st.src])]
 
     # -- the whole program ---------------------------------------------------------

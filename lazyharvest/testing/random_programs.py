@@ -140,7 +140,7 @@ class Program:
     @property
     def forward_differentiable(self) -> bool:
         """JAX has no forward mode through a ``custom_vjp`` function."""
-        return not {"custom_vjp", "custom_vjp_closure"} & self.constructs
+        return not {"custom_vjp", "custom_vjp_closure", "custom_vjp_recompute"} & self.constructs
 
     def __repr__(self) -> str:
         args = "x, p" if self.tree_input else "x"

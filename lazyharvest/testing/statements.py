@@ -55,7 +55,7 @@ CONSTRUCTS = frozenset({
     "dead_while_sown_before",
     "nested_while", "scan_in_while",  # a clobber site in the inner loop's body
     # a site in the primal function of a custom rule (closing over an array):
-    "custom_jvp", "custom_vjp", "custom_vjp_closure",
+    "custom_jvp", "custom_vjp", "custom_vjp_closure", "custom_vjp_recompute",
     "label_names",  # sites named like the labels of keys ("jvp", "vjp", ...)
     "label_scopes",  # lh.nest scopes spelled like labels
     "constant_in_jit",  # a constant site directly inside jax.jit
@@ -233,9 +233,13 @@ class Custom:
     """``g(v[src])`` with ``g(u) = tanh(sow(sin(u) * w))`` given a custom
     derivative rule (the exact derivative, computed without the site):
     ``kind`` ``"jvp"`` (``jax.custom_jvp``, ``w = 1``), ``"vjp"``
-    (``jax.custom_vjp``, ``w = 1``) or ``"vjp_closure"`` (``jax.custom_vjp``
+    (``jax.custom_vjp``, ``w = 1``), ``"vjp_closure"`` (``jax.custom_vjp``
     whose primal function and rule close over a module-level array ``w``,
-    ``_oracle.closure_weight(closure, shape)``)."""
+    ``_oracle.closure_weight(closure, shape)``) or ``"vjp_recompute"``
+    (``jax.custom_vjp`` whose backward rule recomputes ``g``, site included,
+    and differentiates it with ``jax.vjp``: a checkpointing rule; its
+    recomputed site is no new occurrence, and its cotangent is the forward
+    occurrence's)."""
 
     src: int
     name: str
@@ -245,8 +249,8 @@ class Custom:
 
     @property
     def construct(self) -> str:
-        return {"jvp": "custom_jvp", "vjp": "custom_vjp", "vjp_closure": "custom_vjp_closure"}[
-            self.kind]
+        return {"jvp": "custom_jvp", "vjp": "custom_vjp", "vjp_closure": "custom_vjp_closure",
+                "vjp_recompute": "custom_vjp_recompute"}[self.kind]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -73,7 +73,8 @@ class _Gen:
         """The statement kinds a block at ``depth`` draws from (within ``only``)."""
         kinds = ["op", "op", "bin", "lin", "red", "sow", "sow"]
         kinds += [k for k in ("pytree_site", "constant") if k in self.allowed]
-        if {"custom_jvp", "custom_vjp", "custom_vjp_closure"} & self.allowed:
+        if {"custom_jvp", "custom_vjp", "custom_vjp_closure",
+                "custom_vjp_recompute"} & self.allowed:
             kinds.append("custom")
         if depth < self.max_depth:
             kinds += [k for k in ("scope", "jit", "checkpoint", "scan", "cond", "switch",
@@ -130,7 +131,9 @@ class _Gen:
     def custom(self, shapes: list, scopes: tuple, loop: bool) -> tuple[Any, list]:
         """A function with a custom rule whose primal body sows."""
         kinds = [k for k, c in (("jvp", "custom_jvp"), ("vjp", "custom_vjp"),
-                                ("vjp_closure", "custom_vjp_closure")) if c in self.allowed]
+                                ("vjp_closure", "custom_vjp_closure"),
+                                ("vjp_recompute", "custom_vjp_recompute"))
+                 if c in self.allowed]
         src = self.pick(shapes)
         kind = self.draw(self.st().sampled_from(kinds))
         return Custom(src, self.name(scopes), self.mode(loop), kind, self.pick(shapes)), [
