@@ -566,3 +566,57 @@ def test_a_remat_rule_gets_the_policy_as_saveable():
     assert dl.policy_saves(jax.checkpoint_policies.everything_saveable, eqn)
     assert not dl.policy_saves(jax.checkpoint_policies.nothing_saveable, eqn)
     assert not dl.policy_saves(jax.checkpoint_policies.dots_saveable, eqn)
+
+
+@needs_derivative_sites
+def test_remat_jvp_rule_gets_partial_eval_tangents_under_reverse_mode(monkeypatch):
+    """lazyharvest assumes `jax.checkpoint` has no linearization rule: reverse
+    mode and jax.linearize call `ad.primitive_jvps[remat_p]` with tangents that
+    are `pe.JaxprTracer`s, forward mode with others
+    (differentiation._wrap_checkpoint_jvp, `splitting_checkpoint`)."""
+    from jax._src.ad_checkpoint import remat_p
+
+    installed = layer._ad.primitive_jvps[remat_p]
+    assert getattr(installed, "_lazyharvest", False), (
+        f"the package's jvp of remat is not ad.primitive_jvps[remat_p] on jax {V}")
+    assert remat_p not in layer._ad.primitive_linearizations or getattr(
+        layer._ad.primitive_linearizations[remat_p], "_lazyharvest", False), (
+        f"jax {V} has its own linearization rule for remat")
+    seen = []
+
+    def spy(primals, tangents, **params):
+        seen.append([isinstance(t, layer._pe.JaxprTracer) for t in tangents])
+        return installed(primals, tangents, **params)
+
+    monkeypatch.setitem(layer._ad.primitive_jvps, remat_p, spy)
+    f = jax.checkpoint(jnp.sin)
+    jax.grad(f)(0.5)
+    assert seen and all(seen[-1]), f"grad of remat: tangents {seen} on jax {V}"
+    seen.clear()
+    jax.jvp(f, (0.5,), (1.,))
+    assert seen and not any(seen[-1]), f"jvp of remat: tangents {seen} on jax {V}"
+
+
+@needs_custom_call_hooks
+def test_custom_lin_transpose_gets_the_backward_function_as_bwd(monkeypatch):
+    """lazyharvest assumes the transpose of `ad.custom_lin_p` (in
+    `ad.fancy_transposes` from jax 0.11, `ad.primitive_transposes` before)
+    runs the custom_vjp rule's backward function passed as `bwd=`, a wrapped
+    function with `call_wrapped` (differentiation.wrap_custom_lin_bwd)."""
+    prim = layer._ad.custom_lin_p
+    table = (layer._ad.fancy_transposes if prim in layer._ad.fancy_transposes
+             else layer._ad.primitive_transposes)
+    installed = table[prim]
+    assert getattr(installed, "_lazyharvest", False), (
+        f"the package's transpose of custom_lin is not in the table it reads on jax {V}")
+    seen = []
+
+    def spy(cts, *args, **params):
+        seen.append(hasattr(params.get("bwd"), "call_wrapped"))
+        return installed(cts, *args, **params)
+
+    monkeypatch.setitem(table, prim, spy)
+    g = jax.custom_vjp(jnp.sin)
+    g.defvjp(lambda x: (jnp.sin(x), x), lambda x, ct: (jnp.cos(x) * ct,))
+    close(jax.grad(g)(0.5), jnp.cos(0.5))
+    assert seen == [True], f"custom_lin's transpose saw {seen} on jax {V}"
