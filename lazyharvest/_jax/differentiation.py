@@ -328,11 +328,11 @@ def wrap_transpose(prim: Primitive, keep: Callable[[dict], bool],
         return
 
     def shown(x: Any) -> Any:
+        if isinstance(x, Jaxpr) and show is not None:  # (remat's body; on jax >=
+            return show(x)  # 0.11 a Jaxpr is also a ClosedJaxpr)
         if isinstance(x, ClosedJaxpr):
             inner = x.jaxpr.replace(effects=x.jaxpr.effects | {keep_effect})
             return ClosedJaxpr(inner, x.consts)
-        if isinstance(x, Jaxpr) and show is not None:  # (remat's body)
-            return show(x)
         if isinstance(x, tuple):
             return tuple(shown(y) for y in x)
         return x
