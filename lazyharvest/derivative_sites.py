@@ -202,10 +202,11 @@ def _checkpointed(rule):
         path = eqn.params["path"]
         if path and path[-1] == JVP and not any(unks_in):
             n = len(eqn.outvars)
+            if not eqn.params.get("constant"):  # a zero that does not flow on
+                return _jax.identity_eqn(eqn), None, [False] * n, [False] * n, []
             res = [v for v, inst in zip(eqn.invars, inst_in)
                    if not inst and not isinstance(v, _jax.Literal)]
-            staged = _jax.replace_eqn_params(eqn, constant=True)
-            return None, staged, [True] * n, [True] * n, res
+            return None, eqn, [True] * n, [True] * n, res
         return rule(saveable, unks_in, inst_in, eqn)
     return remat_rule
 
@@ -376,7 +377,7 @@ _jax.wrap_dce_rule(_jax.while_p, _holds_tangent_sites, lambda eqn: False)
 # A rematerialized linear part (jax.checkpoint's) whose outputs nobody uses
 # keeps its tangent sites too (a checkpointed block in a jitted layer whose
 # later call is dead code).
-_jax.wrap_dce_rule(_jax.remat_p, _holds_tangent_sites, lambda eqn: False)
+_jax.wrap_dce_rule(_jax.remat_p, _holds_tangent_sites, _holds_constant_sites)
 
 
 def _transposes_sites(params: dict) -> bool:

@@ -659,3 +659,15 @@ def test_regression_dead_while_loop_sown_before_keeps_its_sites_under_linearize(
     bwd = jax.vjp(_sown_then_dead_while, x)[1]
     close(bwd(1.0)[0], jax.grad(jnp.cos)(x))
     close(reaped(bwd, 1.0)["k"], 0.0)
+
+
+def test_checkpoint_whose_body_reads_no_differentiated_input_keeps_the_narrowing():
+    # Narrowed (docs/laws.md): the split of such a checkpoint has no linear
+    # input, so no cotangent can reach its sites: they keep their values only,
+    # never a wrong cotangent or a tangent key under reverse mode.
+    def f(x):
+        return 0.5 * jax.checkpoint(lambda x: lh.sow(jnp.float32(1.3), tag="t", name="k"))(x)
+    assert set(reaped(jax.grad(f), X).keys()) == {"k"}
+    assert set(reaped(jax.vjp(f, X)[1], 1.).keys()) == set()
+    T.check_vjp(f, X, tag="t")
+    T.check_linearize(f, X, tag="t")

@@ -246,8 +246,13 @@ def _wrap_checkpoint_jvp() -> None:
         return
 
     def jvp(primals, tangents, **params):
-        if not any(isinstance(t, _pe.JaxprTracer) for t in tangents):
-            return original(primals, tangents, **params)  # forward mode
+        # (forward mode; or a body that reads no input with a tangent: its
+        # split would have no linear input to carry a cotangent to it)
+        jaxpr = params["jaxpr"]
+        read = {id(v) for e in jaxpr.eqns for v in e.invars}
+        if not any(isinstance(t, _pe.JaxprTracer) and id(v) in read
+                   for v, t in zip(jaxpr.invars, tangents)):
+            return original(primals, tangents, **params)
         with _splitting_checkpoint(True):
             return original(primals, tangents, **params)
 
