@@ -671,3 +671,20 @@ def test_checkpoint_whose_body_reads_no_differentiated_input_keeps_the_narrowing
     assert set(reaped(jax.vjp(f, X)[1], 1.).keys()) == set()
     T.check_vjp(f, X, tag="t")
     T.check_linearize(f, X, tag="t")
+
+
+@pytest.mark.xfail(strict=True, reason="open (docs/laws.md, Bugs the laws found): found by "
+                   "a wide law-1 search after the checkpoint split change")
+def test_open_custom_jvp_site_on_a_constant_in_nested_checkpoints_under_linearize():
+    def primal(u):
+        return jnp.tanh(lh.sow(jnp.sin(u), tag="t", name="s2"))
+    g_ = jax.custom_jvp(primal)
+    g_.defjvp(lambda p, t: (primal(p[0]), (1 - jnp.tanh(jnp.sin(p[0])) ** 2)
+                            * jnp.cos(p[0]) * t[0]))
+
+    def f(x):
+        c = lh.sow(jnp.float32(0.7), tag="t", name="s1")
+        return jax.checkpoint(lambda x, c: jax.checkpoint(g_)(c) * jnp.sum(jnp.cos(x)))(x, c)
+    lin = reaped(jax.linearize(f, X)[1], TX)
+    # plain JAX: s2 = sin(0.7) does not depend on x, its tangent is zero
+    close(lin["s2"], jax.jvp(lambda x: jnp.sin(jnp.float32(0.7)) + 0. * x[0], (X,), (TX,))[1])
