@@ -27,6 +27,7 @@ from lazyharvest._jax.core import (
     cond_p,
     jit_p,
     new_jaxpr_eqn,
+    remat_p,
     scan_p,
     trace_flat,
 )
@@ -163,7 +164,7 @@ def wrap_dce_rule(prim: Primitive, keep: Callable[[JaxprEqn], bool],
 
 def _keeping_inputs(used_outputs: Sequence[bool], eqn: JaxprEqn,
                     dced: JaxprEqn) -> JaxprEqn:
-    """`dced` (a jit, scan or cond eqn after JAX's DCE rule) reading every
+    """`dced` (a jit, scan, cond or remat eqn after JAX's DCE rule) reading every
     input of `eqn` again: its bodies' unused binders are kept.
 
     Not `eqn` whole: a scan kept whole (or a jit holding one) would keep
@@ -180,6 +181,9 @@ def _keeping_inputs(used_outputs: Sequence[bool], eqn: JaxprEqn,
         used[:num_carry] = [True] * num_carry
         params = scan_params(p, _dce_keeping_binders(p["jaxpr"], used), *scan_counts(p),
                              linear=lambda lin: lin)
+    elif eqn.primitive is remat_p:  # (its body is a Jaxpr without consts)
+        params = dict(dced.params,
+                      jaxpr=pe.dce_jaxpr(p["jaxpr"], used, instantiate=True)[0])
     else:  # jit: the per-output parameters as DCE left them, per-input ones whole
         params = dict(dced.params, jaxpr=_dce_keeping_binders(p["jaxpr"], used),
                       **{k: p[k] for k in ("in_shardings", "in_layouts", "donated_invars")})
