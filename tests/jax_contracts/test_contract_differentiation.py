@@ -574,8 +574,7 @@ def test_remat_jvp_rule_gets_partial_eval_tangents_under_reverse_mode(monkeypatc
     mode and jax.linearize call `ad.primitive_jvps[remat_p]` with tangents that
     are `pe.JaxprTracer`s, forward mode with others
     (differentiation._wrap_checkpoint_jvp, `splitting_checkpoint`)."""
-    from jax._src.ad_checkpoint import remat_p
-
+    remat_p = layer_core.remat_p
     installed = layer._ad.primitive_jvps[remat_p]
     assert getattr(installed, "_lazyharvest", False), (
         f"the package's jvp of remat is not ad.primitive_jvps[remat_p] on jax {V}")
