@@ -59,20 +59,20 @@ def _u(q, sow):
     return jnp.sum(sow(jnp.cos(q) * q))
 
 
+def _hmc(q):
+    """As an HMC sampler: the initial state's gradient, then one per step."""
+    u = lambda q: _u(q, lambda v: lh.sow(v, tag="t", name="u", mode="append"))  # noqa: E731
+    g = jax.grad(u)(q)
+
+    def step(c, _):
+        q, g = c
+        q = q - 0.1 * g
+        return (q, jax.grad(u)(q)), None
+    return lax.scan(step, (q, g), None, length=3)[0][0]
+
+
 def test_grad_before_and_inside_a_scan_pairs_cotangents_in_program_order():
-    # as an HMC sampler: the initial state's gradient, then one per step
-    u = lambda q: _u(q, lambda v: lh.sow(v, tag="t", name="u", mode="append"))
-
-    def hmc(q):
-        g = jax.grad(u)(q)
-
-        def step(c, _):
-            q, g = c
-            q = q - 0.1 * g
-            return (q, jax.grad(u)(q)), None
-        return lax.scan(step, (q, g), None, length=3)[0][0]
-
-    d = lh.reap(jax.jit(hmc), tag="t")(Q0)
+    d = lh.reap(jax.jit(_hmc), tag="t")(Q0)
     u_eps = lambda q, e: _u(q, lambda v: v + e)
     qs, q = [Q0], Q0
     g = jax.grad(u_eps)(q, 0.)
@@ -219,27 +219,15 @@ def test_python_loop_of_grad_steps_takes_each_planted_cotangent_at_its_step(jit)
 
 
 def _hs(w, x):
-    hs, h = [], x
-    for _ in range(2):
-        h = jnp.sin(w * h)
-        hs.append(h)
+    """The values `_inner_loss` sows, in order."""
+    hs: list = []
+    _inner_loss(w, x, lambda v, i: hs.append(v) or v)
     return hs
 
 
 def test_grad_before_and_inside_a_scan_takes_each_planted_cotangent():
-    u = lambda q: _u(q, lambda v: lh.sow(v, tag="t", name="u", mode="append"))
-
-    def hmc(q):
-        g = jax.grad(u)(q)
-
-        def step(c, _):
-            q, g = c
-            q = q - 0.1 * g
-            return (q, jax.grad(u)(q)), None
-        return lax.scan(step, (q, g), None, length=3)[0][0]
-
     cts = C_ROWS[:4]
-    got = lh.plant(jax.jit(hmc), tag="t")({("vjp", "u"): cts}, Q0)
+    got = lh.plant(jax.jit(_hmc), tag="t")({("vjp", "u"): cts}, Q0)
     u_ct = lambda q, c: _u(q, lambda v: v) + jnp.vdot(c, jnp.cos(q) * q)
     q = Q0
     g = jax.grad(u_ct)(q, cts[0])
