@@ -193,10 +193,12 @@ def _checkpointed(rule):
     unknown input (the zero tangent recorded for a constant site by
     `_constant_site`, or one in a loop given a zero tangent by
     `_make_body_bind`) would land in the forward part, where no cotangent can
-    reach it. It is staged in the linear part instead, its zero passed as a
-    residual and marked `constant`: the transpose of that part reads the zero
-    from a fresh reference (`_make_partial_eval`), so the site's cotangent
-    arrives, as for a constant site outside jax.checkpoint.
+    reach it. Where the zero flows on (marked `constant` by `_constant_site`
+    while the body is split) it is staged in the linear part, the zero passed
+    as a residual: the transpose of that part reads it from a fresh reference
+    (`_make_partial_eval`), so the site's cotangent arrives, as for a
+    constant site outside jax.checkpoint. Otherwise (a body that reads no
+    input with a tangent) it passes its value on without being a site.
     """
     def remat_rule(saveable, unks_in, inst_in, eqn):
         path = eqn.params["path"]
