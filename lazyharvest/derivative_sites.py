@@ -204,10 +204,13 @@ def _checkpointed(rule):
         path = eqn.params["path"]
         if path and path[-1] == JVP and not any(unks_in):
             n = len(eqn.outvars)
-            if not eqn.params.get("constant"):  # a zero that does not flow on
-                return _jax.identity_eqn(eqn), None, [False] * n, [False] * n, []
             res = [v for v, inst in zip(eqn.invars, inst_in)
                    if not inst and not isinstance(v, _jax.Literal)]
+            if not eqn.params.get("constant"):  # a zero that does not flow on
+                # recomputed like any pure eqn (a while loop's split body
+                # must need no residual)
+                same = _jax.identity_eqn(eqn)
+                return same, same, [False] * n, [True] * n, res
             return None, eqn, [True] * n, [True] * n, res
         return rule(saveable, unks_in, inst_in, eqn)
     return remat_rule

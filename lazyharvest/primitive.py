@@ -282,6 +282,36 @@ def _remat_partial_eval(saveable, unks_in, inst_in, eqn):
     return known, staged, [False] * n, [True] * n, res
 
 
+def _recomputed_call(saveable, unks_in, inst_in, eqn):
+    # JAX has no remat rule for a custom_jvp/custom_vjp call: it copies a
+    # known one whole into the rematerialized part, where the copies of its
+    # sites would count as occurrences. This is JAX's default, the copied
+    # sites marked as `_remat_partial_eval` marks its own (only `call_jaxpr`
+    # is copied: a derivative the rule makes later is a site). An offloading
+    # policy saves the call's outputs instead of offloading them.
+    n = len(eqn.outvars)
+    res = [v for v, inst in zip(eqn.invars, inst_in)
+           if not inst and not isinstance(v, _jax.Literal)]
+    if any(unks_in):
+        return None, eqn, [True] * n, [True] * n, res
+    if _jax.has_effects(eqn) or not _jax.policy_recomputes(saveable, eqn):
+        return eqn, None, [False] * n, [False] * n, []
+    if not any(True for j in _sub_jaxprs(eqn.params) for _ in _sows(j)):
+        return eqn, eqn, [False] * n, [True] * n, res
+    token = next(_remat_tokens)
+    known = eqn.replace(params=_marked(eqn.params, lambda p: dict(
+        p, remat=p.get("remat", ()) + (token,))))
+    staged = eqn.replace(params=_marked(eqn.params, lambda p: dict(
+        p, recompute=p["recompute"] or token, remat=())))
+    return known, staged, [False] * n, [True] * n, res
+
+
+def _marked(params: dict, fn: Callable[[dict], dict]) -> dict:
+    body = params["call_jaxpr"]
+    j = _jax.map_params(body.jaxpr, sow_p, fn)
+    return dict(params, call_jaxpr=_jax.ClosedJaxpr(j, body.consts))
+
+
 sow_p.def_impl(_impl)
 sow_p.def_effectful_abstract_eval(_abstract_eval)
 _jax.mlir.register_lowering(sow_p, _lowering)
@@ -289,6 +319,8 @@ _jax.ad.primitive_jvps[sow_p] = _jvp
 _jax.ad.primitive_transposes[sow_p] = _transpose
 _jax.register_batcher(sow_p, _batch)
 _jax.register_remat_rule(sow_p, _remat_partial_eval)
+_jax.register_remat_rule(_jax.custom_jvp_call_p, _recomputed_call)
+_jax.register_remat_rule(_jax.custom_vjp_call_p, _recomputed_call)
 _jax.keep_in_scan_loops(sow_p, SowEffect, lambda params: params["effect"])
 
 

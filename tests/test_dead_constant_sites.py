@@ -673,18 +673,58 @@ def test_checkpoint_whose_body_reads_no_differentiated_input_keeps_the_narrowing
     T.check_linearize(f, X, tag="t")
 
 
-@pytest.mark.xfail(strict=True, reason="open (docs/laws.md, Bugs the laws found): found by "
-                   "a wide law-1 search after the checkpoint split change")
-def test_open_custom_jvp_site_on_a_constant_in_nested_checkpoints_under_linearize():
+def _rule_on(kind):
     def primal(u):
         return jnp.tanh(lh.sow(jnp.sin(u), tag="t", name="s2"))
-    g_ = jax.custom_jvp(primal)
-    g_.defjvp(lambda p, t: (primal(p[0]), (1 - jnp.tanh(jnp.sin(p[0])) ** 2)
-                            * jnp.cos(p[0]) * t[0]))
+
+    def d_primal(u):
+        return (1 - jnp.tanh(jnp.sin(u)) ** 2) * jnp.cos(u)
+    if kind == "custom_jvp":
+        rule = jax.custom_jvp(primal)
+        rule.defjvp(lambda p, t: (primal(p[0]), d_primal(p[0]) * t[0]))
+    else:
+        rule = jax.custom_vjp(primal)
+        rule.defvjp(lambda u: (primal(u), u), lambda u, ct: (d_primal(u) * ct,))
+    return rule
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("kind", ["custom_jvp", "custom_vjp"])
+def test_regression_rule_site_on_a_constant_in_a_checkpoint_under_linearize(kind, nested):
+    # (a wide law-1 search) A custom call none of whose inputs has a tangent
+    # is copied whole into jax.checkpoint's rematerialized linear part: its
+    # site there is a recomputation. The linear function reaped its value
+    # sin(0.7) as if it were the site's tangent.
+    rule = _rule_on(kind)
+    inner = jax.checkpoint(rule) if nested else rule
 
     def f(x):
         c = lh.sow(jnp.float32(0.7), tag="t", name="s1")
-        return jax.checkpoint(lambda x, c: jax.checkpoint(g_)(c) * jnp.sum(jnp.cos(x)))(x, c)
+        return jax.checkpoint(lambda x, c: inner(c) * jnp.sum(jnp.cos(x)))(x, c)
     lin = reaped(jax.linearize(f, X)[1], TX)
-    # plain JAX: s2 = sin(0.7) does not depend on x, its tangent is zero
-    close(lin["s2"], jax.jvp(lambda x: jnp.sin(jnp.float32(0.7)) + 0. * x[0], (X,), (TX,))[1])
+    # a rule's function site is not in a linear function built before the
+    # harvest (docs/laws.md, law 1), and never with its value
+    assert set(lin.keys()) == {"s1"}
+    close(lin["s1"], 0.)
+    T.check_linearize(f, X, tag="t")
+    # inside a harvest, the site is sown once, with its value
+    d = reaped(jax.grad(f), X)
+    close(d["s2"], jnp.sin(jnp.float32(0.7)))
+
+
+def test_regression_while_loop_on_a_constant_in_a_checkpoint_under_linearize():
+    # (JAX's split of a while loop asserts its body needs no residual; the
+    # zero tangent of a site in it was kept in the forward part only)
+    def body(s):
+        return s[0] + 1, jnp.tanh(lh.sow(jnp.sin(s[1]), tag="t", name="w", mode="clobber"))
+
+    @jax.checkpoint
+    def g(x):
+        w = lax.while_loop(lambda s: s[0] < 2, body, (0, jnp.float32(0.7)))[1]
+        return w * jnp.sum(jnp.cos(x))
+    lin = reaped(jax.linearize(g, X)[1], TX)
+    # the linear function of a while loop holds the loop (docs/laws.md,
+    # law 1): the value of its site, and its zero tangent
+    close(lin["w"], jnp.sin(jnp.tanh(jnp.sin(jnp.float32(0.7)))))
+    close(lin["jvp", "w"], 0.)
+    T.check_linearize(g, X, tag="t")

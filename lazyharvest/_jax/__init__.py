@@ -105,6 +105,8 @@ from lazyharvest._jax.differentiation import (  # noqa: F401
     has_tangent,
     linear_zero,
     linearization_rules,
+    has_effects,
+    policy_recomputes,
     policy_saves,
     primal_of,
     records_program,

@@ -45,6 +45,25 @@ def policy_saves(saveable: Callable, eqn: JaxprEqn) -> bool:
     return saved is not None and isinstance(case, saved)
 
 
+def policy_recomputes(saveable: Callable, eqn: JaxprEqn) -> bool:
+    """Whether a jax.checkpoint policy recomputes the outputs of `eqn` (it
+    neither saves nor offloads them)."""
+    case = saveable(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)
+    if isinstance(case, bool):
+        return not case
+    recompute = getattr(_pe, "RecomputeType", None)
+    return recompute is not None and isinstance(case, recompute)
+
+
+def has_effects(eqn: JaxprEqn) -> bool:
+    """`eqn` has an effect that a jax.checkpoint split runs once, in the
+    forward part (as JAX's partial evaluation decides)."""
+    not_really = tuple(t for t in (getattr(_core, "NamedAxisEffect", None),
+                                   getattr(_core, "InternalMutableArrayEffect", None))
+                       if t is not None)
+    return any(not isinstance(e, not_really) for e in eqn.effects)
+
+
 def remat_rule(prim: Primitive) -> Callable:
     """The rule `register_remat_rule` registered for `prim`."""
     return pe.partial_eval_jaxpr_custom_rules[prim]
