@@ -96,12 +96,7 @@ def _eqn_holds(eqn, which: str) -> bool:
 
 def _bodies_hold(params: dict, which: str) -> bool:
     """Some body among `params` holds a site of the kind `which` selects."""
-    for v in params.values():
-        for x in v if isinstance(v, (tuple, list)) else (v,):
-            j = getattr(x, "jaxpr", x)  # a ClosedJaxpr's jaxpr, or a Jaxpr
-            if isinstance(j, _jax.Jaxpr) and _jaxpr_holds(j, which):
-                return True
-    return False
+    return any(_jaxpr_holds(j, which) for j in _bodies(params))
 
 
 def _holds_tangent_sites(eqn) -> bool:
@@ -247,12 +242,55 @@ def _differentiated(trace, kind: str, args, avals, params: dict):
         # jax.jvp's values are recorded only by a harvest (a jitted jvp is
         # retraced when one starts): no arithmetic on zeros outside one.
         return args
-    for i, a in enumerate(avals):
-        if _jax.differentiable(a):
+    floats = [i for i, a in enumerate(avals) if _jax.differentiable(a)]
+    if floats:
+        # (the first float input that reaches no custom_vjp call, else the
+        # one reaching the latest operand of one: its leading operands may
+        # be values its function closes over, which JAX refuses to
+        # differentiate, and a call traced again from a harvest's rebuilt
+        # program no longer says how many)
+        i = max(floats, key=lambda i: (_rule_operand(params, i), -i))
+        if _rule_operand(params, i) >= 0:
             args = list(args)
             args[i] = _jax.with_zero_tangent(trace, args[i], linear=kind == "vjp")
-            break
     return args
+
+
+_NO_RULE = float("inf")
+
+
+def _rule_operand(params: dict, i: int) -> float:
+    """The lowest operand position of a custom_vjp call in the body of a
+    jit, scan or cond (`params`) that its operand `i` reaches (-1: one its
+    function closes over; inf: none)."""
+    if "branches" in params:  # cond: operand 0 is the index
+        return _NO_RULE if i == 0 else min(
+            _reached(b.jaxpr, {b.jaxpr.invars[i - 1]}) for b in params["branches"])
+    body = params["jaxpr"].jaxpr
+    return _reached(body, {body.invars[i]})
+
+
+def _reached(jaxpr, tainted: set) -> float:
+    tainted, low = set(tainted), _NO_RULE
+    for e in jaxpr.eqns:
+        hit = [not isinstance(v, _jax.Literal) and v in tainted for v in e.invars]
+        if not any(hit):
+            continue
+        if e.primitive is _jax.custom_vjp_call_p:
+            first = hit.index(True)
+            low = min(low, -1 if first < e.params.get("num_consts", 0) else first)
+        for j in _bodies(e.params):  # (an operand may reach any input of a body)
+            low = min(low, _reached(j, set(j.invars)))
+        tainted.update(e.outvars)
+    return low
+
+
+def _bodies(params: dict):
+    for v in params.values():
+        for x in v if isinstance(v, (tuple, list)) else (v,):
+            j = getattr(x, "jaxpr", x)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+            if isinstance(j, _jax.Jaxpr):
+                yield j
 
 
 # --- a clobber name sown before a while_loop, under jax.linearize ---------------

@@ -526,6 +526,76 @@ def test_regression_law5_on_a_checkpointed_scan_program(p):
     T.check_vjp(p.fn, *p.example_args(0, ()), tag=p.tag, subset=0)
 
 
+_W = np.array([1.2, 1.4, 0.9], np.float32)
+
+
+def _closing_rule():
+    def g(u):
+        return jnp.tanh(lh.sow(jnp.sin(u) * _W, tag="t", name="s0"))
+    rule = jax.custom_vjp(g)
+    rule.defvjp(lambda u: (g(u), u),
+                lambda u, ct: (ct * (1 - jnp.tanh(jnp.sin(u) * _W) ** 2) * jnp.cos(u) * _W,))
+    return rule
+
+
+def test_regression_plant_gradient_past_a_jitted_custom_vjp_closing_over_an_array():
+    # (a wide law-5 search) A jit none of whose operands has a tangent gets
+    # a zero tangent on one, so that its sites meet the level; the first
+    # operand was the array a custom_vjp in the jit closes over, and JAX
+    # refuses to differentiate one ("with respect to a closed-over value").
+    rule = _closing_rule()
+
+    def f(x):
+        v = jax.jit(lh.nest(lambda x: rule(jnp.cos(x)), scope="b0"))(x)
+        v = lax.cond(jnp.sum(v) > 0, lambda o: lh.sow(jnp.cos(o), tag="t", name="s0"),
+                     lambda o: lh.sow(jnp.sin(o), tag="t", name="s0"), v)
+        return jnp.sum(v ** 2)
+    p = lh.reap(f, tag="t")(XS)["s0"]
+    # plain JAX: the planted value is the cond's output, so d sum(p^2) / dp
+    got = jax.grad(lambda p: lh.plant(f, tag="t")({"s0": p}, XS))(p)
+    np.testing.assert_allclose(got, 2 * p, rtol=1e-6)
+    T.check_vjp(f, XS, tag="t", subset=1)
+
+
+def _closing_rule_program(then: str):
+    from lazyharvest.testing.random_programs import (
+        Bin,
+        Cond,
+        Custom,
+        Jit,
+        Lin,
+        Op,
+        Output,
+        Program,
+        Red,
+        Remat,
+        Repeat,
+        Scope,
+        Sow,
+    )
+    head = Jit(body=(Scope(scope="b0", body=(
+        Op("cos", 0), Custom(src=1, name="s0", mode="strict", kind="vjp_closure", closure=1))),
+        Op("cos", 2)))
+    if then == "switch":
+        rest = Remat(body=(
+            Bin("add", 3, 3),
+            Cond(pred=2, operand=1, branches=(("cos",) * 3,) * 3, sites=(0,), names=("s0",),
+                 mode="strict"),
+            Repeat(src=3, body=(Sow("s1", (4,), "append"), Lin(1, 7), Red("sqnorm", 5)),
+                   times=2, jit=True)))
+        return Program(body=(head, rest), output=Output("scalar", (1, 6))), 0, 1
+    rest = Remat(body=(Op("square", 1), Op("sigmoid", 1),
+                       Sow("s0", srcs=(), mode="strict", const=(3,), seed=6)))
+    return Program(body=(head, rest), output=Output("tree", (6,))), 194, 5709
+
+
+@pytest.mark.parametrize("then", ["switch", "constant"])
+def test_regression_law5_on_a_closing_rule_program(then):
+    # The two programs of the wide law-5 search (docs/laws.md).
+    p, args_seed, subset = _closing_rule_program(then)
+    T.check_vjp(p.fn, *p.example_args(args_seed), tag=p.tag, subset=subset)
+
+
 @pytest.mark.parametrize("kind", ["cond", "switch"])
 def test_regression_invariant_cond_holding_an_append_site_under_grad(kind):
     # A cond in a scan body whose operands do not change over the loop and
