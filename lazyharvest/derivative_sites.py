@@ -22,6 +22,8 @@ from lazyharvest import _jax
 from lazyharvest.keys import JVP, PRIMAL, VJP
 from lazyharvest.primitive import (
     active_tags,
+    collect,
+    collects,
     count_sow,
     is_masked,
     planted_value,
@@ -261,11 +263,13 @@ _NO_RULE = float("inf")
 
 def _rule_operand(params: dict, i: int) -> float:
     """The lowest operand position of a custom_vjp call in the body of a
-    jit, scan or cond (`params`) that its operand `i` reaches (-1: one its
-    function closes over; inf: none)."""
+    jit, scan, cond or while loop (`params`) that its operand `i` reaches
+    (-1: one its function closes over; inf: none)."""
     if "branches" in params:  # cond: operand 0 is the index
         return _NO_RULE if i == 0 else min(
             _reached(b.jaxpr, {b.jaxpr.invars[i - 1]}) for b in params["branches"])
+    if "jaxpr" not in params:  # a while loop: any input of its bodies
+        return min((_reached(j, set(j.invars)) for j in _bodies(params)), default=_NO_RULE)
     body = params["jaxpr"].jaxpr
     return _reached(body, {body.invars[i]})
 
@@ -340,7 +344,11 @@ def _make_remembering_bind(default):
         count_sow(params)
         planted = planted_value(params, list(args))
         if planted is not None:  # in a custom rule of a planted program
-            return planted
+            if not collects(params):
+                return planted
+            args = planted  # a (constant) site of the rule's differentiation
+        elif params["path"][-1:] == (VJP,) and collects(params):
+            collect(params, args)
         outs = bind(trace, args, avals, params)
         kind = _jax.differentiation_kind(trace)
         if kind is not None:

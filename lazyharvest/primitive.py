@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -134,30 +134,38 @@ _tokens = itertools.count()
 
 
 @contextlib.contextmanager
-def planting(plants: dict) -> Iterator[None]:
+def planting(plants: dict, collect: bool = False) -> Iterator[dict]:
     """Sows bound in this block of the names in `plants` ((tag, scopes, name)
-    -> (leaves, add)) are replaced by those leaves (added to them with add)."""
+    -> (leaves, add)) are replaced by those leaves (added to them with add).
+
+    With `collect`, a replaced sow stays a site of the differentiation the
+    rule runs (a constant one: the plant does not depend on the rule's
+    inputs), and the cotangents that differentiation gives it are collected:
+    the block yields (tag, scopes, name) -> [cotangent leaves, ...].
+    """
+    collected: dict = {k: [] for k in plants} if collect else {}
     if not plants:
-        yield
+        yield collected
         return
     token = next(_tokens)
     table: dict = {}
     for (tag, scopes, name), (leaves, add) in plants.items():
-        table.setdefault((tag, name), []).append((scopes, leaves, add))
+        table.setdefault((tag, name), []).append(
+            (scopes, leaves, add, collected.get((tag, scopes, name))))
     _PLANTED[token] = table
     try:
         with _planting(token):
-            yield
+            yield collected
     finally:
         del _PLANTED[token]
 
 
-def planted_value(params: dict, vals: list) -> list | None:
-    """The planted leaves for a sow bound now in a `planting` block, if it
-    sows a planted name: same scopes, or the only scopes planted under that
-    name (a rule's own `sow` calls run outside the call's nest scopes)."""
+def _planted_entry(params: dict) -> tuple | None:
+    """The plant of a sow bound now in a `planting` block, if it sows a
+    planted name: same scopes, or the only scopes planted under that name (a
+    rule's own `sow` calls run outside the call's nest scopes)."""
     token = _planting.value
-    if token is None or params["path"] or is_masked(params):
+    if token is None or is_masked(params):
         return None
     found = _PLANTED.get(token, {}).get((params["tag"], params["name"]))
     if not found:
@@ -165,9 +173,40 @@ def planted_value(params: dict, vals: list) -> list | None:
     exact = [f for f in found if f[0] == params["scopes"]]
     if not exact and len(found) > 1:
         return None
-    _scopes, leaves, add = (exact or found)[0]
+    return (exact or found)[0]
+
+
+def planted_value(params: dict, vals: list) -> list | None:
+    """The planted leaves for a value sow bound now in a `planting` block."""
+    entry = None if params["path"] else _planted_entry(params)
+    if entry is None:
+        return None
+    _scopes, leaves, add, _ = entry
     return [v + p.astype(v.dtype) if add else jnp.broadcast_to(p, jnp.shape(v)).astype(v.dtype)
             for v, p in zip(vals, leaves)]
+
+
+def collects(params: dict) -> bool:
+    """Whether the cotangents of this site are collected (`planting`)."""
+    entry = _planted_entry(dict(params, path=()))
+    return entry is not None and entry[3] is not None
+
+
+def collect(params: dict, cts: Sequence[Any]) -> None:
+    """Keeps the cotangent leaves `cts` of a collected site."""
+    entry = _planted_entry(dict(params, path=()))
+    if entry is not None and entry[3] is not None:
+        entry[3].append(list(cts))
+
+
+def collected_cotangents(found: list) -> list | None:
+    """The sum of the cotangents collected for one site, leaf by leaf, but
+    those of traces that have ended (made while a rule was traced, then
+    bound again); None if there are none."""
+    live = [cts for cts in found if not any(_jax.tracer_is_dead(c) for c in cts)]
+    if not live:
+        return None
+    return [sum(leaves[1:], leaves[0]) for leaves in zip(*live)]
 
 
 def is_recomputed(params: dict) -> bool:
@@ -230,7 +269,8 @@ def _transpose(cts, *args, path, **params):
 
 def _transpose_leaves(cts, args, mask, path, params):
     # Transposing "read the tangent here" is "write the cotangent here".
-    if params["tag"] not in active_tags() and not _jax.under_differentiation():
+    if (params["tag"] not in active_tags() and not _jax.under_differentiation()
+            and not collects(params)):
         # Nothing can record this site (no harvest of its tag is traced, and
         # no differentiation would carry it into another program): it is the
         # identity, and a zero stays symbolic (no FLOPs on zeros). The

@@ -34,7 +34,7 @@ FAST_CONSTRUCTS = {"cond", "scan", "while", "jit", "checkpoint"}
 # Open bugs the generator's constructs find (docs/laws.md, "Bugs the laws
 # found"; reproducers there): the per-construct test leaves out these laws,
 # the property tests of these laws leave out the construct.
-KNOWN_BUGS: dict[str, set[int]] = {"custom_vjp_recompute": {5}}
+KNOWN_BUGS: dict[str, set[int]] = {}
 # the constructs whose bugs are in reverse mode (laws 5 and 7)
 REVERSE_BUGS: set[str] = set()
 # JAX has no forward mode through custom_vjp: laws 1 and 2 do not apply there
@@ -114,7 +114,7 @@ def test_law4_recorded_jit(pa):
 @slow
 # no reverse mode through while_loop; REVERSE_BUGS: KNOWN_BUGS. Cotangents
 # planted at a random subset of sites.
-@given(program_and_args(exclude={"while", "custom_vjp_recompute"} | REVERSE_BUGS),
+@given(program_and_args(exclude={"while"} | REVERSE_BUGS),
        st.integers(0, 2 ** 16))
 def test_law5_vjp(pa, seed):
     p, args = pa

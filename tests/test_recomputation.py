@@ -254,12 +254,38 @@ def test_a_backward_function_built_before_the_harvest_reaps_the_cotangent_only()
     close(d["s"], jax.grad(_loss_eps, argnums=1)(X3, jnp.zeros(3)))
 
 
-@pytest.mark.xfail(strict=True, reason="open (docs/laws.md, Bugs the laws found): a plant "
-                   "is a constant to a custom rule, so its gradient through a recomputing "
-                   "rule is zero, while the site's cotangent is the rule's")
-def test_open_plant_gradient_through_a_recomputing_rule_is_the_sites_cotangent():
+@pytest.mark.parametrize("also_x", [False, True])
+def test_regression_plant_gradient_through_a_recomputing_rule_is_the_sites_cotangent(also_x):
+    # (construct custom_vjp_recompute, law 5 (b)) A plant reached the rule as
+    # a constant: its gradient was zero, while the site's cotangent is the
+    # one the rule's own differentiation gives the recomputed site.
     g = _checkpointing_rule()
     f = lambda x: jnp.sum(g(x) * 2.)  # noqa: E731
     p = jnp.sin(X3)
-    got = jax.grad(lambda p: lh.plant(f, tag="t")({"s": p}, X3))(p)
+    planted = lambda p, x: lh.plant(f, tag="t")({"s": p}, x)  # noqa: E731
+    if also_x:
+        got, gx = jax.grad(planted, argnums=(0, 1))(p, X3)
+        close(gx, jnp.zeros(3))  # the planted program no longer reads x
+    else:
+        got = jax.grad(planted)(p, X3)
     close(got, jax.grad(_loss_eps, argnums=1)(X3, jnp.zeros(3)))
+
+
+def test_regression_a_plant_gradient_through_a_rule_leaves_the_rule_unplanted():
+    # (construct custom_vjp_recompute, law 5) JAX caches a custom_vjp's
+    # forward jaxpr on the call's eqn. Traced for a planted program, it
+    # closed over the planted value; the next program made from the same
+    # eqn read it ("No constant handler for type: DynamicJaxprTracer").
+    g = _checkpointing_rule()
+    f = lambda x: jnp.sum(g(x) * 2.)  # noqa: E731
+    jax.vjp(lambda p, x: lh.plant(f, tag="t")({"s": p}, x), jnp.sin(X3), X3)[1](1.)
+
+    def out_and_site(x):
+        o, d = lh.call_and_reap(f, tag="t")(x)
+        return o, d["s"]
+    (o, s), vjp = jax.vjp(out_and_site, X3)
+    ct = jnp.array([1.0, -2.0, 0.5])
+    # plain JAX: d/dx of f plus <ct, sin(x)>
+    want = jax.grad(lambda x: jnp.sum(jnp.tanh(jnp.sin(x)) * 2.) + jnp.dot(ct, jnp.sin(x)))(X3)
+    close(vjp((jnp.float32(1.), ct))[0], want)
+    close(s, jnp.sin(X3))

@@ -19,7 +19,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from lazyharvest import _jax
-from lazyharvest._interpreter.plumbing import PlantOperands, strip_sites
+from lazyharvest._interpreter.plumbing import PlantOperands, split_list, strip_sites
 from lazyharvest._interpreter.run import EVAL_RULES, Run, bind
 from lazyharvest._interpreter.sites import (
     Harvest,
@@ -32,6 +32,7 @@ from lazyharvest.primitive import (
     RULE_COPY,
     active_tags,
     at_scopes,
+    collected_cotangents,
     consuming,
     current_scopes,
     harvested_sows,
@@ -483,7 +484,7 @@ def _custom_planted(run: Run, eqn: _jax.JaxprEqn, invals: list,
             run.record_all(k, r)
     for k in ops.keys:
         run.cursor[k] = start.get(k, 0) + counts[k]
-    stripped = dict(eqn.params, call_jaxpr=strip_sites(run, closed))
+    stripped = dict(_jax.unshared_thunks(eqn.params), call_jaxpr=strip_sites(run, closed))
     original = lambda *xs: bind(eqn, list(xs), stripped)
     primal = lambda *a: planted(*a)[0]
     # The leading `num_consts` operands are values the user's function closes
@@ -491,17 +492,28 @@ def _custom_planted(run: Run, eqn: _jax.JaxprEqn, invals: list,
     # differentiate.
     n_c = eqn.params.get("num_consts", 0)
 
-    def in_rule(leaves: Sequence[Any]) -> Any:
+    def in_rule(leaves: Sequence[Any], collect: bool = False) -> Any:
         # the user's rules, run by JAX on the planted program, sow the planted
         # values: what they differentiate or recompute is the planted program
         plants = ops.plants(run.plants, leaves)
         return planting({(run.harvest.tag, k[1], k[2]): (plants[k].leaves, plants[k].add)
                          for k in ops.keys if not k[0] and plants[k].mode != "append"
-                         and not plants[k].additive})
+                         and not plants[k].additive}, collect)
+
+    def plant_cotangents(collected: dict, leaves: Sequence[Any]) -> list:
+        # A plant's cotangent is the one the rule's own differentiation gives
+        # the site it replaces (a rule that recomputes the site); none where
+        # the rule does not differentiate it.
+        out: list = []
+        for k, plant in zip(ops.keys, split_list(list(leaves), ops.sizes)):
+            cts = collected_cotangents(collected.get((run.harvest.tag, k[1], k[2])) or [])
+            out += ([None] * len(plant) if cts is None
+                    else [c.astype(jnp.result_type(x)) for c, x in zip(cts, plant)])
+        return out
     if eqn.primitive is _jax.custom_jvp_call_p:
         fun = _with_jvp_of(original, primal, n_c, n_in, in_rule)
     else:
-        fun = _with_vjp_of(original, primal, n_c, n_in, in_rule)
+        fun = _with_vjp_of(original, primal, n_c, n_in, in_rule, plant_cotangents)
     return list(fun(*invals, *ops.leaves))
 
 
@@ -522,24 +534,30 @@ def _with_jvp_of(original: Callable, primal: Callable, n_c: int, n_in: int,
 
 
 def _with_vjp_of(original: Callable, primal: Callable, n_c: int, n_in: int,
-                 in_rule: Callable) -> Callable:
+                 in_rule: Callable, plant_cotangents: Callable) -> Callable:
     """`primal(*consts, *xs, *plants)` whose VJP is `original`'s in the `xs` that
-    are perturbed (consts, plants and unperturbed inputs get none: libraries
-    such as Equinox check that their non-differentiated inputs stay so), its
-    forward and backward rules run `in_rule(plants)`."""
+    are perturbed (consts and unperturbed inputs get none: libraries such as
+    Equinox check that their non-differentiated inputs stay so), its forward
+    and backward rules run `in_rule(plants)`; a plant's cotangent is the one
+    the backward rule gives the site it replaces (`plant_cotangents`)."""
     fun = jax.custom_vjp(primal)
 
     def fwd(*a: Any):
         vals = [x.value for x in a]
         idx = [i for i in range(n_c, n_in) if a[i].perturbed]
+        run = idx
+        if not idx and any(x.perturbed for x in a[n_in:]):
+            # only a plant is differentiated: the rule still runs (with no
+            # input cotangent asked for), so that its recomputed sites get theirs
+            run = [i for i in range(n_c, n_in) if _jax.differentiable(jax.typeof(vals[i]))]
 
         def part(*ps: Any) -> Any:
             full = list(vals[:n_in])
-            for i, p in zip(idx, ps):
+            for i, p in zip(run, ps):
                 full[i] = p
             return original(*full)
         with in_rule(vals[n_in:]):
-            _, vjp = jax.vjp(part, *[vals[i] for i in idx])
+            _, vjp = jax.vjp(part, *[vals[i] for i in run])
         return primal(*vals), (vjp, idx, len(vals), vals[n_in:])
 
     def bwd(res, cts):
@@ -547,10 +565,11 @@ def _with_vjp_of(original: Callable, primal: Callable, n_c: int, n_in: int,
         cts = [jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c
                for c in cts]
         out: list = [None] * n
-        with in_rule(plants):
+        with in_rule(plants, collect=True) as collected:
             grads = vjp(list(cts))
-        for i, g in zip(idx, grads):
+        for i, g in zip(idx, grads):  # (not those run only for the plants)
             out[i] = g
+        out[n_in:] = plant_cotangents(collected, plants)
         return tuple(out)
     fun.defvjp(fwd, bwd, symbolic_zeros=True)
     return fun

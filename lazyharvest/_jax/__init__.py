@@ -68,6 +68,7 @@ from lazyharvest._jax.core import (  # noqa: F401
     eval_jaxpr,
     folds_constants,
     get_bind_params,
+    unshared_thunks,
     hide_frames_below,
     identity_eqn,
     map_params,

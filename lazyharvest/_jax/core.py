@@ -354,6 +354,26 @@ def get_bind_params(prim: Primitive, params: dict) -> dict:
     return out
 
 
+def unshared_thunks(params: dict) -> dict:
+    """A custom call's `params` whose memoized rule-jaxpr thunks (a
+    custom_vjp's forward, a custom_jvp's jvp) keep a cache of their own.
+    JAX's thunk caches the rule's jaxpr on the call's eqn: traced where the
+    function's sites take planted values, it would close over them, and a
+    later program made from the same eqn would read those values (tracers
+    of a trace that has ended)."""
+    return {k: _unshared(v) for k, v in params.items()}
+
+
+def _unshared(v: Any) -> Any:
+    f: Any = getattr(v, "f", None)
+    code = getattr(f, "__code__", None)
+    if (not isinstance(v, lu.WrappedFun) or code is None or v.transforms
+            or set(code.co_freevars) != {"cells", "fn", "sentinel"}):
+        return v  # (not JAX's `_memoize`: as it is)
+    fn = f.__closure__[code.co_freevars.index("fn")].cell_contents
+    return lu.wrap_init(_pe._memoize(fn), debug_info=v.debug_info)
+
+
 def bind_with_params(prim: Primitive, invals: Sequence[Any], bind_params: dict) -> Any:
     if BIND_PARAMS_SPLIT and "subfuns" in bind_params:
         bind_params = dict(bind_params)

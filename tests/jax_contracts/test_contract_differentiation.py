@@ -619,3 +619,21 @@ def test_custom_lin_transpose_gets_the_backward_function_as_bwd(monkeypatch):
     g.defvjp(lambda x: (jnp.sin(x), x), lambda x, ct: (jnp.cos(x) * ct,))
     close(jax.grad(g)(0.5), jnp.cos(0.5))
     assert seen == [True], f"custom_lin's transpose saw {seen} on jax {V}"
+
+
+def test_custom_vjp_forward_thunk_is_a_memoized_wrapped_function():
+    """lazyharvest assumes a custom_vjp call's `fwd_jaxpr_thunk` is a wrapped
+    function over JAX's `_memoize` (a closure over `cells`, `fn`, `sentinel`),
+    whose cache `unshared_thunks` can leave alone (custom.py plants a rule's
+    function without poisoning it)."""
+    g = jax.custom_vjp(lambda x: jnp.sin(x) * 2.)
+    g.defvjp(lambda x: (jnp.sin(x) * 2., x), lambda x, ct: (2. * jnp.cos(x) * ct,))
+    eqn = next(e for e in jax.make_jaxpr(g)(0.5).jaxpr.eqns if "fwd_jaxpr_thunk" in e.params)
+    thunk = eqn.params["fwd_jaxpr_thunk"]
+    fresh = layer_core.unshared_thunks(eqn.params)["fwd_jaxpr_thunk"]
+    assert fresh is not thunk, f"the forward thunk is not JAX's _memoize on jax {V}"
+    cells = thunk.f.__closure__[thunk.f.__code__.co_freevars.index("cells")].cell_contents
+    before = dict(cells)
+    jaxpr, _ = fresh.call_wrapped(True)
+    assert dict(cells) == before, f"the fresh thunk wrote the eqn's cache on jax {V}"
+    assert [e.primitive.name for e in jaxpr.eqns][:1] == ["sin"]
