@@ -673,6 +673,19 @@ def test_checkpoint_whose_body_reads_no_differentiated_input_keeps_the_narrowing
     T.check_linearize(f, X, tag="t")
 
 
+def test_regression_checkpoint_reading_its_input_through_stop_gradient_keeps_the_narrowing():
+    # (a wide law-5 search) The body reads its input, but only through
+    # stop_gradient: the split's linear part reads no linear input, so the
+    # backward pass evaluated it forward: a zero cotangent (and, under
+    # jax.grad in a harvest, a ("jvp", k) key). It is the narrowing above.
+    def f(x):
+        return jnp.sum(jax.checkpoint(lambda v: lh.sow(lax.stop_gradient(v), tag="t",
+                                                         name="k"))(jnp.cos(x)) ** 2)
+    assert set(reaped(jax.grad(f), X).keys()) == {"k"}
+    assert set(reaped(jax.vjp(f, X)[1], 1.).keys()) == set()
+    T.check_vjp(f, X, tag="t")
+
+
 def _rule_on(kind):
     def primal(u):
         return jnp.tanh(lh.sow(jnp.sin(u), tag="t", name="s2"))

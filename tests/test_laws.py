@@ -596,6 +596,62 @@ def test_regression_law5_on_a_closing_rule_program(then):
     T.check_vjp(p.fn, *p.example_args(args_seed), tag=p.tag, subset=subset)
 
 
+def _wide_search_program(which: str):
+    from lazyharvest.testing.random_programs import (
+        Bin,
+        Cond,
+        Custom,
+        Jit,
+        Op,
+        Output,
+        Program,
+        Remat,
+        Repeat,
+        Scan,
+        Scope,
+        Sow,
+    )
+    if which == "closure_in_scan":  # law 5
+        body = (
+            Jit(body=(Remat(body=(Op("cos", 2), Op("cos", 3), Op("cos", 4))),)),
+            Op("cos", 5),
+            Cond(pred=6, operand=6, branches=(("cos",),) * 3, sites=(0,), names=("s0",),
+                 mode="strict"),
+            Jit(body=(Remat(body=(Bin("add", 0, 3), Op("shift", 2),
+                                  Sow("grad", (1, 4), "strict"))),
+                      Scan(carry=4, xs=8, reverse=True, body=(
+                          Custom(src=0, name="s2", mode="append", kind="vjp_closure",
+                                 closure=12),
+                          Sow("s3", (14,), "append"))))))
+        return Program(body=body, output=Output("scalar", (13,)), tree_input=True), 1529
+    body = (  # law 7, reverse mode: a recomputing rule under the scope "grad"
+        Sow("s0", (0,), "strict"),
+        Jit(body=(Repeat(src=1, body=(Op("cos", 2), Op("cos", 3), Op("cos", 4),
+                                      Sow("s1", (5,), "append")), times=2),
+                  Scope(scope="grad", body=(
+                      Custom(src=1, name="s0", mode="strict", kind="vjp_recompute",
+                             closure=2),)),
+                  Custom(src=0, name="grad", mode="strict", kind="vjp_closure"))),
+        Sow("s3", (2,), "strict", stop_gradient=True),
+        Sow("s4", (), "strict", const=(3,), seed=2),
+        Cond(pred=5, operand=2, branches=(("tanh",), ("scale",), ("tanh",)), sites=(0,),
+             names=("s5",), mode="clobber", sows=((0,), (), ()), pre=True))
+    return Program(body=body, output=Output("tree", (1, 7))), 2115
+
+
+@pytest.mark.xfail(strict=True, reason="open (docs/laws.md, Bugs the laws found): found by "
+                   "a wide search, not reduced")
+@pytest.mark.parametrize("which", ["closure_in_scan", "recompute_under_a_label_scope"])
+def test_open_wide_search_programs(which):
+    p, seed = _wide_search_program(which)
+    args = p.example_args(seed)
+    if which == "closure_in_scan":
+        T.check_vjp(p.fn, *args, tag=p.tag, subset=48421)
+    else:
+        T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices, perturb=p.perturb,
+                     forward=p.forward_differentiable)
+
+
 @pytest.mark.parametrize("kind", ["cond", "switch"])
 def test_regression_invariant_cond_holding_an_append_site_under_grad(kind):
     # A cond in a scan body whose operands do not change over the loop and
