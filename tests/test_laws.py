@@ -652,6 +652,47 @@ def test_open_wide_search_programs(which):
                      forward=p.forward_differentiable)
 
 
+def _second_wide_search():
+    from lazyharvest.testing.random_programs import (  # noqa: F401
+        Bin,
+        Cond,
+        Custom,
+        Jit,
+        Lin,
+        Op,
+        Output,
+        Program,
+        Red,
+        Remat,
+        Repeat,
+        Scan,
+        Scope,
+        Sow,
+        While,
+    )
+    return {
+    "law1_while_under_a_jvp_scope": (Program(body=(Repeat(src=2, body=(Op(fn='cos', src=3), Op(fn='cos', src=4), Op(fn='cos', src=5), Sow(name='s0', srcs=(6,), mode='append', const=None, seed=0, stop_gradient=False)), times=2, jit=False, dense=False), Op(fn='cos', src=3), Scope(scope='jvp', body=(While(src=4, ops=('sin',), trips=0, name='s0', kind='while', pre=False, inner='', inner_trips=0),))), output=Output(kind='scalar', srcs=(5,)), tree_input=True, tag='law'), 0),  # noqa: E501
+    "law5_closure": (Program(body=(Scan(carry=2, xs=1, body=(Jit(body=(Op(fn='cos', src=4), Sow(name='s0', srcs=(5, 3), mode='append', const=None, seed=0, stop_gradient=False), Custom(src=1, name='s1', mode='append', kind='vjp_closure', closure=7))), Repeat(src=6, body=(Op(fn='cos', src=8), Sow(name='s2', srcs=(10,), mode='clobber', const=None, seed=0, stop_gradient=False)), times=2, jit=False, dense=False)), reverse=True, dense=False), While(src=3, ops=('sin', 'sin'), trips=1, name='grad', kind='scan', pre=False, inner='scan', inner_trips=1), Remat(body=(Cond(pred=1, operand=5, branches=(('sin',), ('shift',), ('softplus',)), sites=(0,), names=('jvp',), mode='strict', sows=(), pre=False, vmap=False),)), Scope(scope='jit', body=(Scan(carry=2, xs=0, body=(Custom(src=2, name='s0', mode='append', kind='vjp_recompute', closure=5), Red(fn='sum', src=4), Sow(name='s1', srcs=(10,), mode='append', const=None, seed=0, stop_gradient=False)), reverse=True, dense=False),))), output=Output(kind='scalar', srcs=(4, 5, 8)), tree_input=True, tag='law'), 0),  # noqa: E501
+    "law7_reverse_backward_function": (Program(body=(Remat(body=(Remat(body=(Sow(name='s0', srcs=(), mode='strict', const=(), seed=0, stop_gradient=False),)),)),), output=Output(kind='scalar', srcs=(1,)), tree_input=False, tag='law'), 0),  # noqa: E501
+    }
+
+
+@pytest.mark.xfail(strict=True, reason="open (docs/laws.md, Bugs the laws found): found by "
+                   "a second wide search, also failing before this round's fixes; not reduced")
+@pytest.mark.parametrize("which", ["law1_while_under_a_jvp_scope", "law5_closure",
+                                   "law7_reverse_backward_function"])
+def test_open_second_wide_search_programs(which):
+    p, seed = _second_wide_search()[which]
+    args = p.example_args(seed)
+    if which.startswith("law1"):
+        T.check_linearize(p.fn, *args, tag=p.tag)
+    elif which.startswith("law5"):
+        T.check_vjp(p.fn, *args, tag=p.tag, subset=0)
+    else:
+        T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices, perturb=p.perturb,
+                     forward=p.forward_differentiable)
+
+
 @pytest.mark.parametrize("kind", ["cond", "switch"])
 def test_regression_invariant_cond_holding_an_append_site_under_grad(kind):
     # A cond in a scan body whose operands do not change over the loop and
