@@ -20,6 +20,23 @@ import lazyharvest as lh
 from helpers import X, close, fresh_victim, simplest_with
 from lazyharvest import _jax
 from lazyharvest import testing as T
+from lazyharvest.testing.random_programs import (
+    Bin,
+    Cond,
+    Custom,
+    Jit,
+    Lin,
+    Op,
+    Output,
+    Program,
+    Red,
+    Remat,
+    Repeat,
+    Scan,
+    Scope,
+    Sow,
+    While,
+)
 
 # The property suites take most of this file's time; the fast subset
 # (`-m "not slow"`) keeps every law on the simplest program of a few constructs.
@@ -507,7 +524,6 @@ def test_regression_zero_trip_scan_in_checkpoint_under_a_plant_gradient():
 
 
 def _checkpointed_scan_program(*, trips: int, pre: bool, then_cond: bool):
-    from lazyharvest.testing.random_programs import Cond, Op, Output, Program, Remat, While
     body: tuple = (While(src=0, ops=("sin",), trips=trips, name="s0", kind="scan", pre=pre,
                          inner="", inner_trips=0), Op(fn="cos", src=0))
     if then_cond:
@@ -558,21 +574,6 @@ def test_regression_plant_gradient_past_a_jitted_custom_vjp_closing_over_an_arra
 
 
 def _closing_rule_program(then: str):
-    from lazyharvest.testing.random_programs import (
-        Bin,
-        Cond,
-        Custom,
-        Jit,
-        Lin,
-        Op,
-        Output,
-        Program,
-        Red,
-        Remat,
-        Repeat,
-        Scope,
-        Sow,
-    )
     head = Jit(body=(Scope(scope="b0", body=(
         Op("cos", 0), Custom(src=1, name="s0", mode="strict", kind="vjp_closure", closure=1))),
         Op("cos", 2)))
@@ -597,20 +598,6 @@ def test_regression_law5_on_a_closing_rule_program(then):
 
 
 def _wide_search_program(which: str):
-    from lazyharvest.testing.random_programs import (
-        Bin,
-        Cond,
-        Custom,
-        Jit,
-        Op,
-        Output,
-        Program,
-        Remat,
-        Repeat,
-        Scan,
-        Scope,
-        Sow,
-    )
     if which == "closure_in_scan":  # law 5
         body = (
             Jit(body=(Remat(body=(Op("cos", 2), Op("cos", 3), Op("cos", 4))),)),
@@ -644,32 +631,10 @@ def _wide_search_program(which: str):
 @pytest.mark.parametrize("which", ["closure_in_scan", "recompute_under_a_label_scope"])
 def test_open_wide_search_programs(which):
     p, seed = _wide_search_program(which)
-    args = p.example_args(seed)
-    if which == "closure_in_scan":
-        T.check_vjp(p.fn, *args, tag=p.tag, subset=48421)
-    else:
-        T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices, perturb=p.perturb,
-                     forward=p.forward_differentiable)
+    _check_law(5 if which == "closure_in_scan" else 7, p, p.example_args(seed), subset=48421)
 
 
 def _second_wide_search():
-    from lazyharvest.testing.random_programs import (  # noqa: F401
-        Bin,
-        Cond,
-        Custom,
-        Jit,
-        Lin,
-        Op,
-        Output,
-        Program,
-        Red,
-        Remat,
-        Repeat,
-        Scan,
-        Scope,
-        Sow,
-        While,
-    )
     return {
     "law1_while_under_a_jvp_scope": (Program(body=(Repeat(src=2, body=(Op(fn='cos', src=3), Op(fn='cos', src=4), Op(fn='cos', src=5), Sow(name='s0', srcs=(6,), mode='append', const=None, seed=0, stop_gradient=False)), times=2, jit=False, dense=False), Op(fn='cos', src=3), Scope(scope='jvp', body=(While(src=4, ops=('sin',), trips=0, name='s0', kind='while', pre=False, inner='', inner_trips=0),))), output=Output(kind='scalar', srcs=(5,)), tree_input=True, tag='law'), 0),  # noqa: E501
     "law5_closure": (Program(body=(Scan(carry=2, xs=1, body=(Jit(body=(Op(fn='cos', src=4), Sow(name='s0', srcs=(5, 3), mode='append', const=None, seed=0, stop_gradient=False), Custom(src=1, name='s1', mode='append', kind='vjp_closure', closure=7))), Repeat(src=6, body=(Op(fn='cos', src=8), Sow(name='s2', srcs=(10,), mode='clobber', const=None, seed=0, stop_gradient=False)), times=2, jit=False, dense=False)), reverse=True, dense=False), While(src=3, ops=('sin', 'sin'), trips=1, name='grad', kind='scan', pre=False, inner='scan', inner_trips=1), Remat(body=(Cond(pred=1, operand=5, branches=(('sin',), ('shift',), ('softplus',)), sites=(0,), names=('jvp',), mode='strict', sows=(), pre=False, vmap=False),)), Scope(scope='jit', body=(Scan(carry=2, xs=0, body=(Custom(src=2, name='s0', mode='append', kind='vjp_recompute', closure=5), Red(fn='sum', src=4), Sow(name='s1', srcs=(10,), mode='append', const=None, seed=0, stop_gradient=False)), reverse=True, dense=False),))), output=Output(kind='scalar', srcs=(4, 5, 8)), tree_input=True, tag='law'), 0),  # noqa: E501
@@ -683,11 +648,15 @@ def _second_wide_search():
                                    "law7_reverse_backward_function"])
 def test_open_second_wide_search_programs(which):
     p, seed = _second_wide_search()[which]
-    args = p.example_args(seed)
-    if which.startswith("law1"):
+    _check_law(int(which[3]), p, p.example_args(seed), subset=0)
+
+
+def _check_law(law: int, p, args, subset: int) -> None:
+    """Law 1, 5 or 7 (reverse-mode keys included) on a random program."""
+    if law == 1:
         T.check_linearize(p.fn, *args, tag=p.tag)
-    elif which.startswith("law5"):
-        T.check_vjp(p.fn, *args, tag=p.tag, subset=0)
+    elif law == 5:
+        T.check_vjp(p.fn, *args, tag=p.tag, subset=subset)
     else:
         T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices, perturb=p.perturb,
                      forward=p.forward_differentiable)
