@@ -29,6 +29,7 @@ from lazyharvest.primitive import (
     planted_value,
     sow_effect,
     sow_p,
+    sub_jaxprs,
 )
 
 __all__: list[str] = []
@@ -98,7 +99,7 @@ def _eqn_holds(eqn, which: str) -> bool:
 
 def _bodies_hold(params: dict, which: str) -> bool:
     """Some body among `params` holds a site of the kind `which` selects."""
-    return any(_jaxpr_holds(j, which) for j in _bodies(params))
+    return any(_jaxpr_holds(j, which) for j in sub_jaxprs(params))
 
 
 def _holds_tangent_sites(eqn) -> bool:
@@ -251,8 +252,9 @@ def _differentiated(trace, kind: str, args, avals, params: dict):
         # be values its function closes over, which JAX refuses to
         # differentiate, and a call traced again from a harvest's rebuilt
         # program no longer says how many)
-        i = max(floats, key=lambda i: (_rule_operand(params, i), -i))
-        if _rule_operand(params, i) >= 0:
+        reached = {i: _rule_operand(params, i) for i in floats}
+        i = max(floats, key=lambda i: (reached[i], -i))
+        if reached[i] >= 0:
             args = list(args)
             args[i] = _jax.with_zero_tangent(trace, args[i], linear=kind == "vjp")
     return args
@@ -269,7 +271,7 @@ def _rule_operand(params: dict, i: int) -> float:
         return _NO_RULE if i == 0 else min(
             _reached(b.jaxpr, {b.jaxpr.invars[i - 1]}) for b in params["branches"])
     if "jaxpr" not in params:  # a while loop: any input of its bodies
-        return min((_reached(j, set(j.invars)) for j in _bodies(params)), default=_NO_RULE)
+        return min((_reached(j, set(j.invars)) for j in sub_jaxprs(params)), default=_NO_RULE)
     body = params["jaxpr"].jaxpr
     return _reached(body, {body.invars[i]})
 
@@ -283,18 +285,10 @@ def _reached(jaxpr, tainted: set) -> float:
         if e.primitive is _jax.custom_vjp_call_p:
             first = hit.index(True)
             low = min(low, -1 if first < e.params.get("num_consts", 0) else first)
-        for j in _bodies(e.params):  # (an operand may reach any input of a body)
+        for j in sub_jaxprs(e.params):  # (an operand may reach any input of a body)
             low = min(low, _reached(j, set(j.invars)))
         tainted.update(e.outvars)
     return low
-
-
-def _bodies(params: dict):
-    for v in params.values():
-        for x in v if isinstance(v, (tuple, list)) else (v,):
-            j = getattr(x, "jaxpr", x)  # a ClosedJaxpr's jaxpr, or a Jaxpr
-            if isinstance(j, _jax.Jaxpr):
-                yield j
 
 
 # --- a clobber name sown before a while_loop, under jax.linearize ---------------

@@ -336,7 +336,7 @@ def _recomputed_call(saveable, unks_in, inst_in, eqn):
         return None, eqn, [True] * n, [True] * n, res
     if _jax.has_effects(eqn) or not _jax.policy_recomputes(saveable, eqn):
         return eqn, None, [False] * n, [False] * n, []
-    if not any(True for j in _sub_jaxprs(eqn.params) for _ in _sows(j)):
+    if not any(True for j in sub_jaxprs(eqn.params) for _ in _sows(j)):
         return eqn, eqn, [False] * n, [True] * n, res
     token = next(_remat_tokens)
     known = eqn.replace(params=_marked(eqn.params, lambda p: dict(
@@ -498,7 +498,8 @@ class _Stop(Exception):
         self.vals = vals
 
 
-def _sub_jaxprs(params: dict) -> Iterator[Any]:
+def sub_jaxprs(params: dict) -> Iterator[Any]:
+    """The bodies (jaxprs) among an eqn's `params`."""
     for v in params.values():
         for x in v if isinstance(v, (tuple, list)) else (v,):
             if isinstance(x, _jax.ClosedJaxpr):
@@ -512,13 +513,13 @@ def _sows(jaxpr: Any) -> Iterator[dict]:
     for e in jaxpr.eqns:
         if e.primitive is sow_p:
             yield e.params
-        for j in _sub_jaxprs(e.params):
+        for j in sub_jaxprs(e.params):
             yield from _sows(j)
 
 
 def _body_sows(params: dict) -> bool:
     """A body among `params` holds a site of a harvested tag (its effect)."""
-    return any(isinstance(e, SowEffect) for j in _sub_jaxprs(params) for e in j.effects)
+    return any(isinstance(e, SowEffect) for j in sub_jaxprs(params) for e in j.effects)
 
 
 # A cond holding sites is not hoisted out of a scan either (its sites would
@@ -546,7 +547,7 @@ def _site_order(jaxpr: Any) -> list | None:
     for e in jaxpr.eqns:
         if e.primitive is sow_p:
             out.append(e.params)
-        elif any(True for j in _sub_jaxprs(e.params) for _ in _sows(j)):
+        elif any(True for j in sub_jaxprs(e.params) for _ in _sows(j)):
             inner = _inlined(e)
             found = None if inner is None else _site_order(inner.jaxpr)
             if found is None:
