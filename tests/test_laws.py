@@ -626,9 +626,23 @@ def _wide_search_program(which: str):
     return Program(body=body, output=Output("tree", (1, 7))), 2115
 
 
-@pytest.mark.xfail(strict=True, reason="open (docs/laws.md, Bugs the laws found): found by "
-                   "a wide search, not reduced")
-@pytest.mark.parametrize("which", ["closure_in_scan", "recompute_under_a_label_scope"])
+def _open(reason: str, *, everywhere: bool = True):
+    """A strict xfail for a pinned open program. Those not failing
+    `everywhere` fail only where dead/constant sites and rule hooks are on
+    (jax >= 0.9): on jax 0.8 those sites behave as before and the law holds."""
+    failing = everywhere or (_jax.DERIVATIVE_SITES and _jax.CUSTOM_CALL_HOOKS)
+    return pytest.mark.xfail(failing, strict=True,
+                             reason=f"open (docs/laws.md, Bugs the laws found): {reason}")
+
+
+_FIRST = "found by a wide search, not reduced"
+_SECOND = ("found by a second wide search, also failing before this round's fixes; "
+           "not reduced")
+
+
+@pytest.mark.parametrize("which", [
+    pytest.param("closure_in_scan", marks=_open(_FIRST, everywhere=False)),
+    pytest.param("recompute_under_a_label_scope", marks=_open(_FIRST))])
 def test_open_wide_search_programs(which):
     p, seed = _wide_search_program(which)
     _check_law(5 if which == "closure_in_scan" else 7, p, p.example_args(seed), subset=48421)
@@ -642,10 +656,10 @@ def _second_wide_search():
     }
 
 
-@pytest.mark.xfail(strict=True, reason="open (docs/laws.md, Bugs the laws found): found by "
-                   "a second wide search, also failing before this round's fixes; not reduced")
-@pytest.mark.parametrize("which", ["law1_while_under_a_jvp_scope", "law5_closure",
-                                   "law7_reverse_backward_function"])
+@pytest.mark.parametrize("which", [
+    pytest.param("law1_while_under_a_jvp_scope", marks=_open(_SECOND)),
+    pytest.param("law5_closure", marks=_open(_SECOND, everywhere=False)),
+    pytest.param("law7_reverse_backward_function", marks=_open(_SECOND, everywhere=False))])
 def test_open_second_wide_search_programs(which):
     p, seed = _second_wide_search()[which]
     _check_law(int(which[3]), p, p.example_args(seed), subset=0)
