@@ -6,8 +6,13 @@
     python scripts/compat.py --fast --parallel 0.8.3 0.9.2 0.11.2   # at once (as CI)
     python scripts/compat.py --extras test,full 0.12.0.1@3.12       # JAX@Python
     python scripts/compat.py 0.9.2 -- -x tests/test_sharding.py   # pytest arguments
+    python scripts/compat.py --parallel 0.8.3:fast 0.9.2:layer    # a subset per version
 
-A version may name the Python its venv is made from: `0.12.0.1@3.12` (a
+A version may name its subset after a colon: `:full` (the whole suite),
+`:fast` (-m "not slow") or `:layer` (LAYER_TESTS: the tests of what the
+compatibility layer reads and of the behaviour that branches on it, about
+a minute). Without one, --fast says which. A version may name the Python its
+venv is made from: `0.12.0.1@3.12` (a
 version found as `python3.12` on PATH or under pyenv's versions), or
 `0.12.0.1@/path/to/python`. Without one, jax >= 0.11 (which needs Python
 >= 3.12) takes Python 3.12 and older JAX this interpreter (--python).
@@ -45,6 +50,14 @@ DEFAULT_VERSIONS = ("0.8.3", "0.9.2", "0.10.2", "0.11.2",
 # JAX from 0.11 on needs Python >= 3.12: the Python its venvs are made from
 # unless a version names one.
 NEWER_JAX_PYTHON = "3.12"
+# The `layer` subset: the contract tests of every JAX internal the layer
+# reads, the layer's own tests and the JAX flags, and the behaviour that
+# branches on its probes (every higher-order primitive under every
+# transformation, dead and constant sites, custom rules).
+LAYER_TESTS = ("tests/jax_contracts", "tests/test_compat.py", "tests/test_jax_flags.py",
+               "tests/test_matrix.py", "tests/test_dead_constant_sites.py",
+               "tests/test_custom_compose.py")
+SUBSETS = ("full", "fast", "layer")
 COUNTS = ("passed", "failed", "errors", "skipped", "xfailed", "xpassed")
 
 
@@ -203,6 +216,15 @@ class Suite:
         return self.finish()
 
 
+def pytest_args(subset: str, extra: list[str]) -> list[str]:
+    args = ["-q", "-p", "no:cacheprovider"]
+    if subset == "fast":
+        args += ["-m", "not slow"]
+    elif subset == "layer":
+        args += list(LAYER_TESTS)
+    return args + extra
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("versions", nargs="*", default=list(DEFAULT_VERSIONS),
@@ -242,17 +264,16 @@ def main() -> int:
         print(f"{args.python}: JAX >= 0.8 needs Python >= 3.11; pass --python", file=sys.stderr)
         return 2
 
-    pytest_args = ["-q", "-p", "no:cacheprovider"]
-    if args.fast:
-        pytest_args += ["-m", "not slow"]
-    pytest_args += extra
-    subset = "fast" if args.fast else "full"
-    if extra:
-        subset += "+args"
-
     rows, status, t_start = [], 0, time.perf_counter()
-    ready = []  # (version, venv, jaxlib version, setup seconds)
+    ready = []  # (version, venv, jaxlib version, setup seconds, subset)
     for spec in args.versions:
+        head, colon, tail = spec.rpartition(":")
+        spec, subset = (head, tail) if colon and not set("/\\") & set(tail) else (spec, "")
+        subset = subset or ("fast" if args.fast else "full")
+        if subset not in SUBSETS:
+            print(f"{spec}: no subset {subset!r} (one of {', '.join(SUBSETS)})",
+                  file=sys.stderr)
+            return 2
         version, python = python_for(spec, args.python)
         if python is None:
             print(f"jax {version}: no Python {spec.partition('@')[2] or NEWER_JAX_PYTHON} "
@@ -276,12 +297,14 @@ def main() -> int:
                          time.perf_counter() - t0, "SETUP FAILED"))
             status = max(status, 2)
         else:
-            ready.append((version, venv, jaxlib_v, time.perf_counter() - t0))
-    suites = [Suite(v, venv, args.cache_dir, pytest_args) for v, venv, _, _ in ready]
+            ready.append((version, venv, jaxlib_v, time.perf_counter() - t0, subset))
+    suites = [Suite(v, venv, args.cache_dir, pytest_args(sub, extra))
+              for v, venv, _, _, sub in ready]
     if args.parallel:
         for suite in suites:
             suite.start(echo=False)
-    for suite, (version, _, jaxlib_v, t_setup) in zip(suites, ready):
+    for suite, (version, _, jaxlib_v, t_setup, subset) in zip(suites, ready):
+        subset += "+args" if extra else ""
         rc, out, secs, cpu = suite.finish() if args.parallel else suite.run()
         result = "ok" if rc == 0 else f"FAILED (pytest exit {rc})"
         if rc != 0:
