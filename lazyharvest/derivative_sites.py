@@ -423,6 +423,10 @@ _jax.wrap_dce_rule(_jax.while_p, _holds_tangent_sites, lambda eqn: False)
 # keeps its tangent sites too (a checkpointed block in a jitted layer whose
 # later call is dead code).
 _jax.wrap_dce_rule(_jax.remat_p, _holds_tangent_sites, _holds_constant_sites)
+# Its split may leave a constant site's zero in a linear part that reads no
+# linear input (a body that reads no input with a tangent): it gets one.
+_jax.register_partial_eval_rule(_jax.remat_p, lambda previous: (
+    _jax.partial_eval_with_a_linear_input(previous, lambda j: _jaxpr_holds(j, _CONSTANT))))
 
 
 def _transposes_sites(params: dict) -> bool:

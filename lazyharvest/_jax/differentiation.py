@@ -265,10 +265,7 @@ def _wrap_checkpoint_jvp() -> None:
         return
 
     def jvp(primals, tangents, **params):
-        # (forward mode; or a body that reads no input with a tangent: its
-        # split would have no linear input to carry a cotangent to it)
-        jaxpr = params["jaxpr"]
-        if not _tangents_used(jaxpr, [isinstance(t, _pe.JaxprTracer) for t in tangents]):
+        if not any(isinstance(t, _pe.JaxprTracer) for t in tangents):  # forward mode
             return original(primals, tangents, **params)
         with _splitting_checkpoint(True):
             return original(primals, tangents, **params)
@@ -278,22 +275,6 @@ def _wrap_checkpoint_jvp() -> None:
 
 
 _wrap_checkpoint_jvp()
-
-
-def _tangents_used(jaxpr: Any, flowing: Sequence[bool]) -> bool:
-    """Whether some eqn of `jaxpr` reads a value that the tangents of the
-    inputs marked `flowing` reach (through any eqn but `stop_gradient`,
-    whose tangent is zero): else the split's linear part reads no linear
-    input."""
-    from jax._src.ad_util import stop_gradient_p
-
-    reached = {v for v, f in zip(jaxpr.invars, flowing) if f}
-    for e in jaxpr.eqns:
-        if not any(not isinstance(v, _core.Literal) and v in reached for v in e.invars):
-            continue
-        if e.primitive is not stop_gradient_p:
-            return True
-    return bool(reached & {v for v in jaxpr.outvars if not isinstance(v, _core.Literal)})
 
 
 def with_zero_tangent(trace: Any, x: Any, linear: bool) -> Any:

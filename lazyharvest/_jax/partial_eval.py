@@ -249,6 +249,44 @@ def partial_eval_keeping(previous: Callable, keep: Callable[[dict], bool]) -> Ca
     return rule
 
 
+def partial_eval_with_a_linear_input(previous: Callable,
+                                     needs: Callable[[Jaxpr], bool]) -> Callable:
+    """`previous` (jax.checkpoint's partial-eval rule), except that a staged
+    eqn that reads no unknown input, though its body `needs` a cotangent (it
+    holds the zero tangent of a constant site), reads one more: an unused
+    scalar read from a fresh reference. The backward pass transposes only
+    eqns with a linear input, and treats such a value as linear (as it does
+    JAX's own references), so the cotangent reaches the body instead of the
+    body being evaluated forward. (The split of a body that reads no input
+    with a tangent leaves its staged half with none.)"""
+    def rule(trace, *tracers, **params):
+        outs = previous(trace, *tracers, **params)
+        recipe = next((r for r in (getattr(o, "recipe", None) for o in outs)
+                       if isinstance(r, _pe.JaxprEqnRecipe)), None)
+        if recipe is None or not needs(recipe.params["jaxpr"]):
+            return outs
+        unknown = {id(t) for t in tracers if not t.pval.is_known()}
+        if any(id(t) in unknown for t in recipe.in_tracers):
+            return outs
+        aval = _core.ShapedArray((), jax.numpy.float32)
+        with _core.set_current_trace(trace):
+            zero = trace.instantiate_const(trace.new_const(jax.numpy.zeros((), "float32")))
+            linear = _core.freeze(_core.new_ref(zero))
+        jaxpr = recipe.params["jaxpr"]
+        params = dict(recipe.params, jaxpr=jaxpr.replace(
+            invars=[*jaxpr.invars, _core.Var(aval)]))
+        if isinstance(params.get("prevent_cse"), tuple):
+            params["prevent_cse"] = (*params["prevent_cse"], True)
+        out_tracers = [o for o in outs if getattr(o, "recipe", None) is recipe]
+        staged = _pe.new_eqn_recipe(trace, [*recipe.in_tracers, linear], out_tracers,
+                                    recipe.primitive, params, recipe.effects,
+                                    recipe.source_info, recipe.ctx)
+        for o in out_tracers:
+            o.recipe = staged
+        return outs
+    return rule
+
+
 # JAX's partial-eval rule for `cond` (used by jax.linearize/grad and by the
 # transpose of jax.checkpoint) stages the unknown half of the branches as one
 # eqn recipe but, unlike an ordinary primitive, does not register it with the
