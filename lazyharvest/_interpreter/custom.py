@@ -200,10 +200,27 @@ def _rewritten(fn: Callable, args: Sequence[Any], rewrite: Callable[[dict], dict
         tree, [next(outs) if isinstance(x, jax.Array) else x for x in leaves])
 
 
+def _at_scopes_of_the_call(*subfuns: Any) -> tuple:
+    """A custom call's functions (JAX's wrapped functions), traced under the
+    nest scopes of the call whenever JAX traces them: a call staged into a
+    jaxpr (`jax.jit`) has its rules traced later, when that jaxpr is
+    differentiated, outside the scopes, where their sites would lose them."""
+    scopes = current_scopes()
+
+    def scoped(f: Any) -> Any:
+        def call(*args: Any) -> Any:
+            with at_scopes(scopes):
+                return f.call_wrapped(*args)
+        return _jax.wrapped_like(call, f)
+    return tuple(map(scoped, subfuns))
+
+
 def _make_custom_bind(with_sites: Callable[..., tuple],
                       rule_sites: Callable[..., list | None]) -> Callable:
     def make(default: Callable) -> Callable:
         def bind_with_trace(trace, args, avals, params):
+            if current_scopes() and _jax.differentiation_kind(trace) is None:
+                params = _jax.replace_subfuns(params, _at_scopes_of_the_call)
             if not active_tags():
                 return default(trace, args, avals, params)
             if _jax.differentiation_kind(trace) is None:

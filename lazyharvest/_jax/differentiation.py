@@ -127,7 +127,9 @@ def call_bwd(bwd: Any, *args: Any) -> tuple:
 
 
 def wrapped_like(fn: Callable, like: Any) -> Any:
-    """`fn` as a JAX wrapped function, for a custom call's `subfuns`."""
+    """`fn`, which calls the wrapped function `like`, as a JAX wrapped
+    function, for a custom call's `subfuns`."""
+    fn._wraps = like  # type: ignore[attr-defined]  # (its stores: `trace_wrapped_avals`)
     return lu.wrap_init(fn, debug_info=like.debug_info)
 
 
@@ -142,13 +144,20 @@ def trace_wrapped_avals(fun: Any, avals: Sequence[Any], call: Callable | None = 
                         ) -> tuple[Jaxpr, list[Any]]:
     """`trace_wrapped` at these avals; `call(*args)` calls `fun` (default:
     `fun.call_wrapped`)."""
-    empty = [s for s in fun.stores if s is not None and not _store_full(s)]
+    empty = [s for s in _stores(fun) if not _store_full(s)]
     try:
         return trace_flat(lambda *a: list((call or fun.call_wrapped)(*a)), avals,
                           name="custom function")
     finally:
         for s in empty:
             getattr(s, "_store", s).reset()
+
+
+def _stores(fun: Any) -> list:
+    """The output stores of `fun` and of the functions it wraps (`wrapped_like`)."""
+    out = [s for s in fun.stores if s is not None]
+    inner = getattr(getattr(fun, "f", None), "_wraps", None)
+    return out + (_stores(inner) if inner is not None else [])
 
 
 def _store_full(store: Any) -> bool:

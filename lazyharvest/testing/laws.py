@@ -62,8 +62,11 @@ def _split_linear(got: Mapping[Key, Any],
         return split(k)[0][:1] == ("jvp",)
     if not any(tangent(k) for k in got):
         return dict(got), {}
-    tangents = {k[1:]: v for k, v in got.items() if tangent(k)}
-    values = {k: v for k, v in got.items() if not tangent(k)}
+
+    def plain(labels: tuple, rest: tuple) -> Key:  # a shared key is spelled out
+        return (*(x for x in labels if x not in ("primal", "|")), *rest)
+    tangents = {plain(split(k)[0][1:], split(k)[1]): v for k, v in got.items() if tangent(k)}
+    values = {plain(*split(k)): v for k, v in got.items() if not tangent(k)}
     return tangents, values
 
 
