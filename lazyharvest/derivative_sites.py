@@ -276,6 +276,10 @@ def _rule_operand(params: dict, i: int) -> float:
     return _reached(body, {body.invars[i]})
 
 
+# Calls whose body's inputs are the eqn's operands, one for one.
+_CALLS = (_jax.jit_p, _jax.remat_p, _jax.custom_jvp_call_p, _jax.custom_vjp_call_p)
+
+
 def _reached(jaxpr, tainted: set) -> float:
     tainted, low = set(tainted), _NO_RULE
     for e in jaxpr.eqns:
@@ -284,9 +288,12 @@ def _reached(jaxpr, tainted: set) -> float:
             continue
         if e.primitive is _jax.custom_vjp_call_p:
             first = hit.index(True)
-            low = min(low, -1 if first < e.params.get("num_consts", 0) else first)
-        for j in sub_jaxprs(e.params):  # (an operand may reach any input of a body)
-            low = min(low, _reached(j, set(j.invars)))
+            low = min(low, -1 if first < _jax.closed_over_operands(e.params) else first)
+        for j in sub_jaxprs(e.params):
+            one_for_one = e.primitive in _CALLS and len(j.invars) == len(hit)
+            # (elsewhere an operand may reach any input of a body: a loop's carry)
+            low = min(low, _reached(j, {v for v, h in zip(j.invars, hit) if h}
+                                    if one_for_one else set(j.invars)))
         tainted.update(e.outvars)
     return low
 

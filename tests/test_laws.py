@@ -573,6 +573,41 @@ def test_regression_plant_gradient_past_a_jitted_custom_vjp_closing_over_an_arra
     T.check_vjp(f, XS, tag="t", subset=1)
 
 
+@pytest.mark.parametrize("uses_the_site", [False, True])
+def test_regression_plant_gradient_past_a_scan_of_a_rule_closing_over_an_array(uses_the_site):
+    # (the wide searches, reduced) A jitted scan whose body calls a
+    # custom_vjp closing over an array: traced again from the harvest's
+    # program (and through JAX's DCE of the call), the closed-over array is
+    # an ordinary operand of the call, so the zero tangent a jit none of
+    # whose operands has one gets (for its sites to meet the level) reached
+    # it: "differentiation of a custom_vjp function with respect to a
+    # closed-over value".
+    def g(u):
+        return jnp.tanh(lh.sow(jnp.sin(u) * _W, tag="t", name="g", mode="append"))
+    rule = jax.custom_vjp(g)
+    rule.defvjp(lambda u: (g(u), u),
+                lambda u, ct: (ct * (1 - jnp.tanh(jnp.sin(u) * _W) ** 2) * jnp.cos(u) * _W,))
+
+    def f(x, site=None):
+        s = lh.sow(jnp.cos(x), tag="t", name="s") if site is None else site
+
+        @jax.jit
+        def block(x):
+            def body(c, xi):
+                r = rule(x)
+                return 0.5 * c + jnp.tanh(jnp.sum(r) + xi), lh.sow(r, tag="t", name="r",
+                                                                   mode="append")
+            return lax.scan(body, 0., x, reverse=True)
+        c, ys = block(x)
+        return jnp.sum(ys) + c + (jnp.sum(s) if uses_the_site else 0.)
+    x = jnp.array([0.3, 0.5, 0.7])
+    value = lh.reap(f, tag="t")(x)["s"]
+    got = jax.grad(lambda p: lh.plant(f, tag="t")({"s": p}, x))(value)
+    # plain JAX: the program with the planted value in place of the site
+    close(got, jax.grad(lambda p: f(x, site=p))(value))
+    T.check_vjp(f, x, tag="t")
+
+
 def _closing_rule_program(then: str):
     head = Jit(body=(Scope(scope="b0", body=(
         Op("cos", 0), Custom(src=1, name="s0", mode="strict", kind="vjp_closure", closure=1))),
@@ -626,26 +661,11 @@ def _wide_search_program(which: str):
     return Program(body=body, output=Output("tree", (1, 7))), 2115
 
 
-def _open(reason: str, *, everywhere: bool = True):
-    """A strict xfail for a pinned open program. Those not failing
-    `everywhere` fail only where dead/constant sites and rule hooks are on
-    (jax >= 0.9): on jax 0.8 those sites behave as before and the law holds."""
-    failing = everywhere or (_jax.DERIVATIVE_SITES and _jax.CUSTOM_CALL_HOOKS)
-    return pytest.mark.xfail(failing, strict=True,
-                             reason=f"open (docs/laws.md, Bugs the laws found): {reason}")
-
-
-_FIRST = "found by a wide search, not reduced"
-_SECOND = ("found by a second wide search, also failing before this round's fixes; "
-           "not reduced")
-
-
-@pytest.mark.parametrize("which", [
-    pytest.param("closure_in_scan", marks=_open(_FIRST, everywhere=False)),
-    # (fixed: a custom call staged in a jit had its rules traced outside its
-    # nest scope; tests/test_recomputation.py has the reduced programs)
-    "recompute_under_a_label_scope"])
-def test_wide_search_programs(which):
+@pytest.mark.parametrize("which", ["closure_in_scan", "recompute_under_a_label_scope"])
+def test_regression_wide_search_programs(which):
+    # (a wide search; docs/laws.md lists the fixes, and the reduced programs:
+    # test_regression_plant_gradient_past_a_scan_of_a_rule_closing_over_an_array,
+    # tests/test_recomputation.py's ..._keeps_its_nest_scope tests)
     p, seed = _wide_search_program(which)
     _check_law(5 if which == "closure_in_scan" else 7, p, p.example_args(seed), subset=48421)
 
@@ -658,17 +678,11 @@ def _second_wide_search():
     }
 
 
-@pytest.mark.parametrize("which", [
-    pytest.param("law5_closure", marks=_open(_SECOND, everywhere=False))])
-def test_open_second_wide_search_programs(which):
-    p, seed = _second_wide_search()[which]
-    _check_law(int(which[3]), p, p.example_args(seed), subset=0)
-
-
-@pytest.mark.parametrize("which", ["law1_while_under_a_jvp_scope",
+@pytest.mark.parametrize("which", ["law1_while_under_a_jvp_scope", "law5_closure",
                                    "law7_reverse_backward_function"])
 def test_regression_second_wide_search_programs(which):
-    # (the second wide search) law 1: a while loop's value under a scope
+    # (the second wide search) law 5: a closed-over value, as above. law 1: a
+    # while loop's value under a scope
     # spelled "jvp" shares its key with a tangent, so the linear function
     # spells it ("primal", "jvp", "s0"), which the checker did not read as
     # the value's key. law 7: the split of the inner of two checkpoints left

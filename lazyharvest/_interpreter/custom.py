@@ -210,7 +210,7 @@ def _at_scopes_of_the_call(*subfuns: Any) -> tuple:
     def scoped(f: Any) -> Any:
         def call(*args: Any) -> Any:
             with at_scopes(scopes):
-                return f.call_wrapped(*args)
+                return _jax.call_fresh(f, *args)
         return _jax.wrapped_like(call, f)
     return tuple(map(scoped, subfuns))
 

@@ -100,6 +100,8 @@ from lazyharvest._jax.core import (  # noqa: F401
 )
 from lazyharvest._jax.differentiation import (  # noqa: F401
     call_bwd,
+    call_fresh,
+    closed_over_operands,
     wrap_custom_lin_bwd,
     differentiable,
     differentiation_kind,

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 from jax._src import core as _core
+from jax._src import custom_derivatives as _custom_derivatives
 from jax._src import source_info_util as _source_info_util
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
@@ -151,6 +152,51 @@ def trace_wrapped_avals(fun: Any, avals: Sequence[Any], call: Callable | None = 
     finally:
         for s in empty:
             getattr(s, "_store", s).reset()
+
+
+def call_fresh(fun: Any, *args: Any) -> Any:
+    """`fun.call_wrapped(*args)` with its output stores emptied first, as
+    JAX does before it traces a custom_vjp call's forward rule again."""
+    for s in _stores(fun):
+        if _store_full(s):
+            getattr(s, "_store", s).reset()
+    return fun.call_wrapped(*args)
+
+
+# JAX's transformation of a custom_vjp call's backward function when it binds
+# the call again from a jaxpr (`get_bind_params`): the values the function
+# closed over become ordinary operands of the new call, given zero cotangents.
+_HANDLE_CONSTS = getattr(getattr(_custom_derivatives, "_handle_consts_in_bwd", None),
+                         "args", (None,))[0]
+
+
+def closed_over_operands(params: dict) -> int:
+    """How many leading operands of a custom_vjp call (`params`) are values
+    its function closes over: its `num_consts`, and those of the calls it was
+    bound again from, which are ordinary operands of this one but whose
+    tangents its forward rule still refuses ("with respect to a closed-over
+    value")."""
+    n = params.get("num_consts", 0)
+    bwd = params.get("bwd")
+    while bwd is not None:
+        n += sum(len(a[0]) for g, a in getattr(bwd, "transforms", ())
+                 if g is _HANDLE_CONSTS and a)
+        bwd = _wrapped_bwd(getattr(bwd, "f", None))
+    return n
+
+
+def _wrapped_bwd(f: Any) -> Any:
+    """The backward function that `f` calls: the one it wraps (`wrapped_like`),
+    or, for a closure JAX made around one (the DCE of a custom_vjp call wraps
+    its backward function), its free variable `bwd`."""
+    inner = getattr(f, "_wraps", None)
+    if inner is not None:
+        return inner
+    code, cells = getattr(f, "__code__", None), getattr(f, "__closure__", None) or ()
+    free = dict(zip(code.co_freevars, cells)) if code is not None else {}
+    cell = free.get("bwd")
+    value = cell.cell_contents if cell is not None else None
+    return value if isinstance(value, lu.WrappedFun) else None
 
 
 def _stores(fun: Any) -> list:

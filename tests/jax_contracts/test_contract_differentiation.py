@@ -637,3 +637,33 @@ def test_custom_vjp_forward_thunk_is_a_memoized_wrapped_function():
     jaxpr, _ = fresh.call_wrapped(True)
     assert dict(cells) == before, f"the fresh thunk wrote the eqn's cache on jax {V}"
     assert [e.primitive.name for e in jaxpr.eqns][:1] == ["sin"]
+
+
+def test_a_custom_vjp_call_bound_again_keeps_count_of_its_closed_over_values():
+    """lazyharvest assumes that binding a custom_vjp call again from a jaxpr
+    (`get_bind_params`) wraps its backward function with JAX's
+    `_handle_consts_in_bwd` transformation, given the closed-over values'
+    avals, and that JAX's DCE of the call wraps the backward function in a
+    closure over `bwd` (differentiation.closed_over_operands): the
+    closed-over values are then ordinary operands of the new call."""
+    w = jnp.array([1.2, 0.7])
+    g = jax.custom_vjp(lambda u: (jnp.sin(u) * w, u))
+    g.defvjp(lambda u: (g(u), u), lambda u, ct: (jnp.cos(u) * w * ct[0] + ct[1],))
+
+    def call(jaxpr):
+        return next(e for e in jaxpr.eqns if e.primitive is layer_core.custom_vjp_call_p)
+    first = jax.make_jaxpr(g)(jnp.ones(2))
+    n = call(first.jaxpr).params["num_consts"]
+    assert n == 1, f"jax {V}: the closed-over array is not a const of the call ({n})"
+    again = jax.make_jaxpr(lambda u: layer_core.eval_jaxpr(first.jaxpr, first.consts, u))(
+        jnp.ones(2))
+    params = call(again.jaxpr).params
+    assert params["num_consts"] == 0, f"jax {V}: the rebound call kept its consts"
+    assert layer.closed_over_operands(params) == 1, (
+        f"jax {V}: the rebound call's backward function does not record them")
+    dced, _ = layer_pe.dce(again.jaxpr, [True, False])
+    params = call(dced).params
+    assert params["bwd"] is not call(again.jaxpr).params["bwd"], (
+        f"jax {V}: JAX's DCE no longer wraps the backward function")
+    assert layer.closed_over_operands(params) == 1, (
+        f"jax {V}: the DCE'd call's backward function hides them")
