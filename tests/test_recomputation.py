@@ -346,3 +346,26 @@ def test_regression_rule_site_in_a_jit_keeps_its_nest_scope_under_differentiatio
     d = lh.reap(run, tag="t")(x)
     assert ("b", "s0") in d and "s0" not in d
     close(d["b", "s0"], jnp.sin(x))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("top", [False, True])
+def test_regression_backward_function_of_a_scoped_rule_built_before_the_harvest(top, jit):
+    # (a wide law-5 search) jax.vjp outside a harvest runs the backward rule
+    # when its function is called, after the call's nest scope has ended: the
+    # recomputing rule's site came out as "s0" (next to, or clashing with, a
+    # top-level site of that name).
+    prim, rule, _ = _scoped_rules()
+    x = jnp.array([0.3, 0.5])
+
+    def f(x, e=0.0, rule=rule):
+        y = lh.sow(jnp.cos(x), tag="t", name="s0") if top else x
+        g = lh.nest(lambda x: rule(x, e), scope="b")
+        return jnp.sum((jax.jit(g) if jit else g)(x)) + jnp.sum(y)
+    ct = 0.7
+    d = lh.reap(jax.vjp(f, x)[1], tag="t")(ct)
+    assert set(d.keys()) == ({("b", "s0"), "s0"} if top else {("b", "s0")})
+    # plain JAX: a zero perturbation at the site, the rule not involved
+    close(d["b", "s0"], ct * jax.grad(lambda e: f(x, e, rule=prim))(jnp.zeros(2)))
+    if top:
+        close(d["s0"], ct * jnp.ones(2))

@@ -204,7 +204,9 @@ def _at_scopes_of_the_call(*subfuns: Any) -> tuple:
     """A custom call's functions (JAX's wrapped functions), traced under the
     nest scopes of the call whenever JAX traces them: a call staged into a
     jaxpr (`jax.jit`) has its rules traced later, when that jaxpr is
-    differentiated, outside the scopes, where their sites would lose them."""
+    differentiated, and a backward rule runs when the cotangents are known
+    (`jax.vjp(f, x)[1]` called later), both outside the scopes, where their
+    sites would lose them."""
     scopes = current_scopes()
 
     def scoped(f: Any) -> Any:
@@ -219,7 +221,7 @@ def _make_custom_bind(with_sites: Callable[..., tuple],
                       rule_sites: Callable[..., list | None]) -> Callable:
     def make(default: Callable) -> Callable:
         def bind_with_trace(trace, args, avals, params):
-            if current_scopes() and _jax.differentiation_kind(trace) is None:
+            if current_scopes():
                 params = _jax.replace_subfuns(params, _at_scopes_of_the_call)
             if not active_tags():
                 return default(trace, args, avals, params)
