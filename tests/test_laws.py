@@ -544,9 +544,9 @@ def test_regression_law5_on_a_checkpointed_scan_program(p):
 _W = np.array([1.2, 1.4, 0.9], np.float32)
 
 
-def _closing_rule():
+def _closing_rule(name: str = "s0", mode: str = "strict"):
     def g(u):
-        return jnp.tanh(lh.sow(jnp.sin(u) * _W, tag="t", name="s0"))
+        return jnp.tanh(lh.sow(jnp.sin(u) * _W, tag="t", name=name, mode=mode))
     rule = jax.custom_vjp(g)
     rule.defvjp(lambda u: (g(u), u),
                 lambda u, ct: (ct * (1 - jnp.tanh(jnp.sin(u) * _W) ** 2) * jnp.cos(u) * _W,))
@@ -581,11 +581,7 @@ def test_regression_plant_gradient_past_a_scan_of_a_rule_closing_over_an_array(u
     # whose operands has one gets (for its sites to meet the level) reached
     # it: "differentiation of a custom_vjp function with respect to a
     # closed-over value".
-    def g(u):
-        return jnp.tanh(lh.sow(jnp.sin(u) * _W, tag="t", name="g", mode="append"))
-    rule = jax.custom_vjp(g)
-    rule.defvjp(lambda u: (g(u), u),
-                lambda u, ct: (ct * (1 - jnp.tanh(jnp.sin(u) * _W) ** 2) * jnp.cos(u) * _W,))
+    rule = _closing_rule("g", "append")
 
     def f(x, site=None):
         s = lh.sow(jnp.cos(x), tag="t", name="s") if site is None else site
@@ -718,12 +714,12 @@ def test_regression_third_wide_search_programs(which):
                                    "law7_reverse_backward_function"])
 def test_regression_second_wide_search_programs(which):
     # (the second wide search) law 5: a closed-over value, as above. law 1: a
-    # while loop's value under a scope
-    # spelled "jvp" shares its key with a tangent, so the linear function
-    # spells it ("primal", "jvp", "s0"), which the checker did not read as
-    # the value's key. law 7: the split of the inner of two checkpoints left
-    # its linear half with no linear input: the backward function evaluated
-    # it forward, a zero value under the site's plain key.
+    # while loop's value under a scope spelled "jvp" shares its key with a
+    # tangent, so the linear function spells it ("primal", "jvp", "s0"),
+    # which the checker did not read as the value's key. law 7: the split of
+    # the inner of two checkpoints left its linear half with no linear input:
+    # the backward function evaluated it forward, a zero value under the
+    # site's plain key.
     p, seed = _second_wide_search()[which]
     _check_law(int(which[3]), p, p.example_args(seed), subset=0)
 

@@ -28,7 +28,7 @@ from lazyharvest._jax.core import (
     scan_p,
     trace_flat,
 )
-from lazyharvest._jax.partial_eval import keep_effect, keep_staged
+from lazyharvest._jax.partial_eval import keep_effect, keep_staged, read_from_a_fresh_ref
 from lazyharvest._jax.versions import BIND_TAKES_AVALS, BWD_RETURNS_LOGS, LINEARIZE_STRUCTURED
 
 
@@ -151,7 +151,7 @@ def trace_wrapped_avals(fun: Any, avals: Sequence[Any], call: Callable | None = 
                           name="custom function")
     finally:
         for s in empty:
-            getattr(s, "_store", s).reset()
+            _reset(s)
 
 
 def call_fresh(fun: Any, *args: Any) -> Any:
@@ -159,7 +159,7 @@ def call_fresh(fun: Any, *args: Any) -> Any:
     JAX does before it traces a custom_vjp call's forward rule again."""
     for s in _stores(fun):
         if _store_full(s):
-            getattr(s, "_store", s).reset()
+            _reset(s)
     return fun.call_wrapped(*args)
 
 
@@ -202,12 +202,16 @@ def _wrapped_bwd(f: Any) -> Any:
 def _stores(fun: Any) -> list:
     """The output stores of `fun` and of the functions it wraps (`wrapped_like`)."""
     out = [s for s in fun.stores if s is not None]
-    inner = getattr(getattr(fun, "f", None), "_wraps", None)
+    inner = getattr(fun.f, "_wraps", None)
     return out + (_stores(inner) if inner is not None else [])
 
 
 def _store_full(store: Any) -> bool:
     return bool(getattr(store, "_store", store))
+
+
+def _reset(store: Any) -> None:
+    getattr(store, "_store", store).reset()
 
 
 def _to_jax_linearization(rule: Callable) -> Callable:
@@ -286,7 +290,7 @@ def linear_zero(aval: Any) -> Any:
     the eqns that use them. (An eqn of the backward pass is transposed only if
     some input is linear; a value read from a fresh reference is, as JAX's own
     references are.)"""
-    return _core.freeze(_core.new_ref(zeros_tangent(aval)))
+    return read_from_a_fresh_ref(zeros_tangent(aval))
 
 
 def with_tangent(trace: Any, primal: Any, tangent: Any) -> Any:

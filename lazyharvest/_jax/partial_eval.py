@@ -209,6 +209,13 @@ def register_partial_eval_rule(prim: Primitive, make_rule: Callable) -> None:
     _pe.custom_partial_eval_rules[prim] = make_rule(previous)
 
 
+def read_from_a_fresh_ref(x: Any) -> Any:
+    """`x`, written into a fresh reference and read back (on the current
+    trace): JAX's backward pass treats the value as linear, as it does its
+    own references, so the eqns that use it are transposed."""
+    return _core.freeze(_core.new_ref(x))
+
+
 def partial_eval_kept(trace: Any, prim: Primitive, tracers: Sequence[Any],
                       params: dict, linear: bool = False) -> list:
     """Partial evaluation of `prim` as JAX does it by default, except that an
@@ -220,8 +227,7 @@ def partial_eval_kept(trace: Any, prim: Primitive, tracers: Sequence[Any],
     tracers = list(tracers)
     if linear and all(t.is_known() for t in tracers):
         with _core.set_current_trace(trace):
-            tracers = [_core.freeze(_core.new_ref(trace.instantiate_const(t)))
-                       for t in tracers]
+            tracers = [read_from_a_fresh_ref(trace.instantiate_const(t)) for t in tracers]
     outs = trace.default_process_primitive(prim, tracers, params)
     recipe = getattr(outs[0], "recipe", None) if outs else None
     if isinstance(recipe, _pe.JaxprEqnRecipe):
@@ -271,7 +277,7 @@ def partial_eval_with_a_linear_input(previous: Callable,
         aval = _core.ShapedArray((), jax.numpy.float32)
         with _core.set_current_trace(trace):
             zero = trace.instantiate_const(trace.new_const(jax.numpy.zeros((), "float32")))
-            linear = _core.freeze(_core.new_ref(zero))
+            linear = read_from_a_fresh_ref(zero)
         jaxpr = recipe.params["jaxpr"]
         params = dict(recipe.params, jaxpr=jaxpr.replace(
             invars=[*jaxpr.invars, _core.Var(aval)]))
