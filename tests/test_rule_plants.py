@@ -119,16 +119,28 @@ def test_reverse_mode_of_a_plant_in_a_rule_in_a_scan():
     close(got, jnp.zeros_like(value))
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "open (docs/laws.md, Bugs the laws found): a planted custom_vjp call's forward "
-    "rule has residuals whose structure depends on which inputs are perturbed; traced "
-    "for reverse mode first, the planted program's memoized forward jaxpr probably "
-    "reads the other pattern's residual tree"))
-def test_open_forward_mode_of_a_plant_in_a_rule_in_a_scan_after_reverse_mode():
-    # plain JAX refuses forward mode through a custom_vjp call with a
-    # TypeError (so does the planted program, traced alone); after the
-    # reverse-mode trace above, it raised "foreach() argument 2 is shorter"
+def test_regression_forward_mode_of_a_plant_in_a_rule_in_a_scan_after_reverse_mode():
+    # (found by law 5's wide run) plain JAX refuses forward mode through a
+    # custom_vjp call with a TypeError (so does the planted program, traced
+    # alone); after reverse mode it raised "foreach() argument 2 is shorter":
+    # the planted call's residuals had a structure per perturbation pattern,
+    # and JAX keeps one per call
     f, x, value = _scan_of_a_planted_rule()
     jax.grad(lambda p: lh.plant(f, tag="t")({"s0": p}, x))(value)
     with pytest.raises(TypeError):
         jax.jvp(lambda p: lh.plant(f, tag="t")({"s0": p}, x), (value,), (value,))
+
+
+def test_regression_reverse_mode_of_a_plant_in_a_rule_in_a_scan_after_another_pattern():
+    # the same reuse in reverse mode: differentiated in the plant and the
+    # input, then (vmapped, so JAX traces the scan's body again) in the plant
+    # alone, the pattern met first: it read the other pattern's residuals
+    # (an AssertionError in JAX's rule). With the planted value equal to the
+    # site's, the planted program's input gradient is the program's.
+    f, x, value = _scan_of_a_planted_rule()
+    planted = lambda p, x: lh.plant(f, tag="t")({"s0": p}, x)
+    g_p, g_x = jax.grad(planted, (0, 1))(value, x)
+    close(g_p, jnp.zeros_like(value))
+    close(g_x, jax.grad(f)(x))
+    got = jax.vmap(jax.grad(planted), (0, None))(jnp.stack([value, value]), x)
+    close(got, jnp.zeros((2,) + value.shape))

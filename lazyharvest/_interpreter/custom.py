@@ -556,39 +556,52 @@ def _with_vjp_of(original: Callable, primal: Callable, n_c: int, n_in: int,
                  in_rule: Callable, plant_cotangents: Callable) -> Callable:
     """`primal(*consts, *xs, *plants)` whose VJP is `original`'s in the `xs` that
     are perturbed (consts and unperturbed inputs get none: libraries such as
-    Equinox check that their non-differentiated inputs stay so), its forward
-    and backward rules run `in_rule(plants)`; a plant's cotangent is the one
-    the backward rule gives the site it replaces (`plant_cotangents`)."""
+    Equinox check that their non-differentiated inputs stay so), its rules run
+    `in_rule(plants)`; a plant's cotangent is the one the backward rule gives
+    the site it replaces (`plant_cotangents`).
+
+    JAX traces the forward rule once per perturbation pattern but keeps one
+    residual structure for the call, so the residuals have the same structure
+    under every pattern: the operands, and the pattern itself written in the
+    shapes of empty flags. The user's rule runs in the backward rule (its
+    forward part then its backward part), under that pattern.
+    """
     fun = jax.custom_vjp(primal)
+
+    def differentiated(pattern: Sequence[bool], vals: Sequence[Any]) -> list[int]:
+        idx = [i for i, p in zip(range(n_c, n_in), pattern) if p]
+        if idx or not pattern[-1]:
+            return idx
+        # only a plant is differentiated: the rule still runs (with no input
+        # cotangent asked for), so that its recomputed sites get theirs
+        return [i for i in range(n_c, n_in) if _jax.differentiable(jax.typeof(vals[i]))]
 
     def fwd(*a: Any):
         vals = [x.value for x in a]
-        idx = [i for i in range(n_c, n_in) if a[i].perturbed]
-        run = idx
-        if not idx and any(x.perturbed for x in a[n_in:]):
-            # only a plant is differentiated: the rule still runs (with no
-            # input cotangent asked for), so that its recomputed sites get theirs
-            run = [i for i in range(n_c, n_in) if _jax.differentiable(jax.typeof(vals[i]))]
+        pattern = [x.perturbed for x in a[n_c:n_in]] + [any(x.perturbed for x in a[n_in:])]
+        flags = [np.zeros((int(p),), np.bool_) for p in pattern]
+        return primal(*vals), (vals, flags)
+
+    def bwd(res, cts):
+        vals, flags = res
+        pattern = [f.shape[0] == 1 for f in flags]
+        run, n = differentiated(pattern, vals), len(vals)
+        cts = [jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c
+               for c in cts]
 
         def part(*ps: Any) -> Any:
             full = list(vals[:n_in])
             for i, p in zip(run, ps):
                 full[i] = p
             return original(*full)
-        with in_rule(vals[n_in:]):
-            _, vjp = jax.vjp(part, *[vals[i] for i in run])
-        return primal(*vals), (vjp, idx, len(vals), vals[n_in:])
-
-    def bwd(res, cts):
-        vjp, idx, n, plants = res
-        cts = [jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c
-               for c in cts]
         out: list = [None] * n
-        with in_rule(plants, collect=True) as collected:
+        with in_rule(vals[n_in:], collect=True) as collected:
+            _, vjp = jax.vjp(part, *[vals[i] for i in run])
             grads = vjp(list(cts))
-        for i, g in zip(idx, grads):  # (not those run only for the plants)
-            out[i] = g
-        out[n_in:] = plant_cotangents(collected, plants)
+        for i, g in zip(run, grads):
+            if pattern[i - n_c]:  # (not those run only for the plants)
+                out[i] = g
+        out[n_in:] = plant_cotangents(collected, vals[n_in:])
         return tuple(out)
     fun.defvjp(fwd, bwd, symbolic_zeros=True)
     return fun
