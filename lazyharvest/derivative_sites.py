@@ -434,6 +434,11 @@ _jax.wrap_dce_rule(_jax.remat_p, _holds_tangent_sites, _holds_constant_sites)
 # linear input (a body that reads no input with a tangent): it gets one.
 _jax.register_partial_eval_rule(_jax.remat_p, lambda previous: (
     _jax.partial_eval_with_a_linear_input(previous, lambda j: _jaxpr_holds(j, _CONSTANT))))
+# Its unknown half stays when it holds tangent sites, outputs used or not (a
+# dead site in a checkpoint nested in another: the outer one's transpose
+# splits the body again).
+_jax.register_partial_eval_rule(_jax.remat_p, lambda previous: (
+    _jax.partial_eval_keeping_staged(previous, lambda j: _jaxpr_holds(j, _DERIVATIVE))))
 
 
 def _transposes_sites(params: dict) -> bool:

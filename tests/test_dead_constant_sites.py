@@ -755,3 +755,26 @@ def test_regression_while_loop_on_a_constant_in_a_checkpoint_under_linearize():
     close(lin["w"], jnp.sin(jnp.tanh(jnp.sin(jnp.float32(0.7)))))
     close(lin["jvp", "w"], 0.)
     T.check_linearize(g, X, tag="t")
+
+
+def _dead_in_nested_checkpoints(x, e=0.0):
+    # the site's value reaches the output only through stop_gradient (a
+    # cond's predicate in the program the wide search found): its cotangent is zero
+    inner = lambda v: lh.sow(v + e, tag="t", name="k")  # noqa: E731
+
+    def outer(x, v):
+        return jnp.cos(x) + 0.0 * lax.stop_gradient(jax.checkpoint(inner)(v))
+    return jnp.sum(jax.checkpoint(outer)(x, jnp.cos(x)))
+
+
+def test_regression_dead_site_in_nested_checkpoints_under_reverse_mode():
+    # (law 7's wide run) SPEC 9: a site the output does not depend on gets
+    # zeros; forward mode and jax.linearize kept the key, reverse mode had
+    # none: JAX's partial evaluation of the outer checkpoint's transpose
+    # dropped the inner one's tangent half, which has no outputs
+    want = jax.grad(lambda e: _dead_in_nested_checkpoints(X, e))(jnp.zeros_like(X))
+    close(want, 0.0)  # plain JAX: a zero perturbation argument
+    assert ("jvp", "k") in reaped(lambda x: jax.linearize(_dead_in_nested_checkpoints, x)[1](x), X)
+    got = reaped(jax.grad(_dead_in_nested_checkpoints), X)
+    close(got["vjp", "k"], want)
+    close(reaped(jax.vjp(_dead_in_nested_checkpoints, X)[1], 1.0)["k"], want)

@@ -141,6 +141,7 @@ from lazyharvest._jax.partial_eval import (  # noqa: F401
     keep_ref_writing_hi_prims,
     keep_staged,
     partial_eval_keeping,
+    partial_eval_keeping_staged,
     partial_eval_with_a_linear_input,
     partial_eval_kept,
     register_dce_rule,

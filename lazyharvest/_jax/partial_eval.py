@@ -6,6 +6,7 @@ sites kept inside scan loops when JAX hoists loop invariants."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -251,6 +252,53 @@ def partial_eval_keeping(previous: Callable, keep: Callable[[dict], bool]) -> Ca
                     seen.add(id(recipe))
                     trace.effect_handles.append(
                         _pe.EffectHandle(list(recipe.in_tracers), recipe))
+        return outs
+    return rule
+
+
+# The eqn recipes a rule makes while `_made` holds a list (`recipes_made`):
+# jax.checkpoint's partial-eval rule stages the unknown half of its body as one
+# recipe but, unlike an ordinary primitive's, does not register it with the
+# trace's effect handles, and a half with no outputs (a dead site's tangent
+# copy, in a checkpoint nested in another) is returned by nothing.
+_made: contextvars.ContextVar = contextvars.ContextVar("lazyharvest_recipes", default=None)
+_new_eqn_recipe = _pe.new_eqn_recipe
+
+
+def _recording_new_eqn_recipe(*args: Any, **kwargs: Any) -> Any:
+    recipe = _new_eqn_recipe(*args, **kwargs)
+    made = _made.get()
+    if made is not None:
+        made.append(recipe)
+    return recipe
+
+
+_pe.new_eqn_recipe = _recording_new_eqn_recipe
+
+
+def partial_eval_keeping_staged(previous: Callable, keep: Callable[[Jaxpr], bool]) -> Callable:
+    """`previous` (jax.checkpoint's partial-eval rule), except that the eqn
+    it stages for the unknown half stays in the jaxpr even if it has no
+    output that anything uses, when `keep(body)` says its body must (it
+    holds tangent sites), as an ordinary primitive with an effect stays."""
+    def rule(trace, *tracers, **params):
+        made: list = []
+        token = _made.set(made)
+        try:
+            outs = previous(trace, *tracers, **params)
+        finally:
+            _made.reset(token)
+            if _made.get() is not None:  # (a rule around this one sees them too)
+                _made.get().extend(made)
+        held = {id(h.eqn) for h in trace.effect_handles}
+        for recipe in made:
+            body = recipe.params.get("jaxpr")
+            outs_of = [r() for r in recipe.out_tracer_refs]
+            if (id(recipe) not in held and isinstance(body, Jaxpr) and keep(body)
+                    and all(getattr(t, "_trace", trace) is trace for t in recipe.in_tracers)
+                    # (not one a rule replaced: `partial_eval_with_a_linear_input`)
+                    and all(o is None or o.recipe is recipe for o in outs_of)):
+                trace.effect_handles.append(_pe.EffectHandle(list(recipe.in_tracers), recipe))
         return outs
     return rule
 

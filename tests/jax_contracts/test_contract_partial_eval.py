@@ -445,3 +445,22 @@ def test_call_hi_primitive_dce_rule_keeps_ref_writers(monkeypatch):
     assert calls, f"JAX's DCE no longer consults pe.dce_rules[call_hi_primitive_p] on jax {V}"
     assert hi in [e.primitive for e in dced.eqns], (
         f"a Ref-writing call_hi_primitive eqn is dropped by DCE on jax {V}")
+
+
+def test_checkpoint_partial_eval_makes_its_staged_eqn_with_new_eqn_recipe(monkeypatch):
+    """lazyharvest assumes JAX's partial-eval rule for `jax.checkpoint` stages its
+    unknown half with `pe.new_eqn_recipe`, looked up when it runs, and does not
+    register it with the trace's effect handles: an unused half is dropped
+    unless the layer registers it (`partial_eval_keeping_staged`, which
+    records the recipes the rule makes)."""
+    from lazyharvest import _jax
+    assert layer._pe.new_eqn_recipe is layer._recording_new_eqn_recipe
+    fn = lambda x: [(jax.checkpoint(jnp.sin)(x), x * 2.)[1]]  # noqa: E731
+    remats = lambda j: [e for e in j.eqns if e.primitive is _jax.remat_p]  # noqa: E731
+    assert not remats(_partial_eval(fn))
+    rules = layer._pe.custom_partial_eval_rules
+    monkeypatch.setitem(rules, _jax.remat_p,
+                        layer.partial_eval_keeping_staged(rules[_jax.remat_p], lambda j: True))
+    assert remats(_partial_eval(fn)), (
+        f"jax.checkpoint's partial evaluation no longer makes its staged eqn with "
+        f"pe.new_eqn_recipe, or effect handles no longer keep it, on jax {V}")
