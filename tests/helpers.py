@@ -76,6 +76,7 @@ def simplest_with(construct):
     """The simplest generated program using `construct` (deterministic)."""
     if construct not in _CORPUS:
         _CORPUS[construct] = find(
-            T.programs(exclude=OPTIONAL - {construct}), lambda p: construct in p.constructs,
+            T.programs(exclude=OPTIONAL - {construct}, include={construct} & T.OPT_IN),
+            lambda p: construct in p.constructs,
             settings=settings(max_examples=2000, database=None, derandomize=True))
     return _CORPUS[construct]

@@ -147,6 +147,8 @@ def _cond(run: Run, eqn: _jax.JaxprEqn, invals: list, *, branches, **_) -> list:
     n_flags = len(flagged)
     leaves, sown = outs[n_out:len(outs) - n_flags], outs[len(outs) - n_flags:]
     merge(run, order, leaves, flags={s.key: f for s, f in zip(flagged, sown)})
+    for _body, branch_run in traced:
+        run.end_inner_passes(branch_run.primal_sown)
     # Append sites are sown alike in every branch; a planted clobber site
     # counts as often as the branch that sows it most (`count_occurrences`).
     for _body, branch_run in traced:

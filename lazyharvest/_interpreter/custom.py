@@ -501,6 +501,7 @@ def _custom_planted(run: Run, eqn: _jax.JaxprEqn, invals: list,
         run.begin_passes(inner.primal_sown)
         for k, r in inner.records.items():
             run.record_all(k, r)
+        run.end_inner_passes(inner.primal_sown)
     for k in ops.keys:
         run.cursor[k] = start.get(k, 0) + counts[k]
     stripped = dict(_jax.unshared_thunks(eqn.params), call_jaxpr=strip_sites(run, closed))

@@ -357,6 +357,8 @@ def _scan(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, length,
         _placeholders(run, clob)
         clob, n_clob = [], 0
     _record_scan_sites(run, clob, app, clob_out[:n_clob], app_out)
+    if length:
+        run.end_inner_passes(inner.primal_sown)
     return [*carry_out, *ys]
 
 
@@ -510,6 +512,7 @@ def _while(run: Run, eqn: _jax.JaxprEqn, invals: list, *, cond_jaxpr, body_jaxpr
         body.sites, [leaves[m] for m in range(len(site_avals))]))
         if run.track_sown or not is_sown(s.key)]
     merge(run, [s for s, _ in merged], [x for _, ls in merged for x in ls], replace=True)
+    run.end_inner_passes(inner.primal_sown)
     return outs[:ncarry]
 
 

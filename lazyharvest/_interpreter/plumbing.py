@@ -221,6 +221,7 @@ def finish(run: Run, body: Body, outs: list, inner: Run | None = None) -> list:
         run.begin_passes(inner.primal_sown)
     merge(run, body.sites, leaves, flags=flags)
     if inner is not None:
+        run.end_inner_passes(inner.primal_sown)
         run.cursor.update(inner.cursor)
     return own
 

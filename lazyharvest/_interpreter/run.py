@@ -24,6 +24,47 @@ from lazyharvest.keys import PRIMAL, VJP, Label
 from lazyharvest.primitive import active_tags, is_masked, is_recomputed, sow_p
 
 
+def _duals(path: tuple) -> list[tuple]:
+    """The paths of the cotangent copies whose backward passes an occurrence
+    on `path` begins: its outermost level made `"vjp"` where it is primal, and
+    each inner level (outside every recorded transform) that is primal, made
+    `"vjp"` where that copy runs backward: under an outer `jax.jvp` the
+    cotangent of an inner `jax.grad` has path `("vjp", "primal")` and its
+    tangent `("vjp", "jvp")`, whose primal occurrences are `("primal",
+    "primal")` and `("primal", "jvp")`."""
+    if not path:
+        return []
+    out = [path[:-1] + (VJP,)] if path[-1] == PRIMAL else []
+    for i in range(len(path) - 2, -1, -1):
+        if isinstance(path[i + 1], Label):
+            break
+        if path[i] == PRIMAL:
+            dual = path[:i] + (VJP,) + path[i + 1:]
+            if runs_backward((dual, (), "")):
+                out.append(dual)
+    return out
+
+
+def _outer_duals(path: tuple) -> list[tuple]:
+    """The paths evaluated forward at two or more backward levels whose
+    inner pass an occurrence on `path` ends, in the outer pass's order: those
+    with `path`'s level inside all its `"vjp"` levels made `"vjp"`. Under an
+    outer `jax.vjp`, the outer cotangent of an inner `jax.grad`'s cotangent
+    has path `("vjp", "vjp")`; the outer pass visits the inner passes last
+    first, each ending at the outer cotangents of the values it differentiated
+    (`("primal", "vjp")`)."""
+    levels = []
+    for i in range(len(path) - 1, -1, -1):
+        if isinstance(path[i], Label):
+            break
+        levels.append(i)
+    vjps = [i for i in levels if path[i] == VJP]
+    if len(vjps) % 2 != 1:
+        return []
+    return [path[:i] + (VJP,) + path[i + 1:] for i in levels
+            if path[i] == PRIMAL and i < min(vjps)]
+
+
 def runs_backward(key: RawKey) -> bool:
     """Whether the occurrences of a site are evaluated in reverse program order.
 
@@ -69,6 +110,11 @@ class Record:
     # An append record evaluated backward: where its next contribution goes
     # (the front of the current backward pass; `Run.begin_passes`).
     pass_start: int = 0
+    # A record evaluated forward at two or more backward levels (the outer
+    # cotangent of an inner cotangent: "vjp" at both): the outer pass visits
+    # the inner passes last first. Where the next pass's contributions go
+    # (`Run.end_inner_passes`); None: at the end.
+    front: int | None = None
 
     def leaves(self) -> list:
         if self.mode != "append" or len(self.chunks) == 1:
@@ -190,7 +236,8 @@ class Run:
         # (`plumbing.incoming` reads them): not sites of this run
         self.earlier: dict[RawKey, Record] = {}
         # primal keys sown in this run: each starts a new forward pass for
-        # its cotangent site (`begin_passes`)
+        # its cotangent site, and the outer cotangents that end inner passes
+        # (`begin_passes`)
         self.primal_sown: set[RawKey] = set()
         self.replays: dict[tuple, list] = {} if replays is None else replays
         self.replay_plants: dict[tuple, Plant] = replay_plants or {}
@@ -267,6 +314,8 @@ class Run:
                 f"last) or mode='append' (stack them).")
         backward = runs_backward(key)
         if mode == "clobber":
+            if not backward and old.front is not None:
+                return  # (an earlier pass's: the later one's is reaped)
             if backward and is_sown(key) and (not old.seeded or flag is not None):
                 # (a masked site adds the elements it sows to those that did)
                 # "sown" by any contribution: a cond branch that did not sow
@@ -294,6 +343,9 @@ class Run:
                 f"{[(x.shape[1:], x.dtype) for x in leaves]}.")
         if backward:
             old.chunks.insert(old.pass_start, list(leaves))
+        elif old.front is not None:
+            old.chunks.insert(old.front, list(leaves))
+            old.front += 1
         else:
             old.chunks.append(list(leaves))
 
@@ -310,17 +362,16 @@ class Run:
     def count_primal(self, key: RawKey, n: int = 1) -> None:
         """Counts `n` primal occurrences of `key` for its cotangent's plant."""
         path, scopes, name = key
-        if not path or path[-1] != PRIMAL:
-            return
-        dual = (path[:-1] + (VJP,), scopes, name)
-        if dual not in self.plants or not runs_backward(dual):
-            return
-        c = self.cursor
-        if c.get((_PASS, "ct", dual), 0):  # a cotangent ran since: a new pass
-            c[(_PASS, "begin", dual)] = c.get(dual, 0)
-            c[(_PASS, "n", dual)] = 0
-            c[(_PASS, "ct", dual)] = 0
-        c[(_PASS, "n", dual)] = c.get((_PASS, "n", dual), 0) + n
+        for dual_path in _duals(path):
+            dual = (dual_path, scopes, name)
+            if dual not in self.plants or not runs_backward(dual):
+                continue
+            c = self.cursor
+            if c.get((_PASS, "ct", dual), 0):  # a cotangent ran since: a new pass
+                c[(_PASS, "begin", dual)] = c.get(dual, 0)
+                c[(_PASS, "n", dual)] = 0
+                c[(_PASS, "ct", dual)] = 0
+            c[(_PASS, "n", dual)] = c.get((_PASS, "n", dual), 0) + n
 
     def backward_end(self, key: RawKey, plant: Plant, done: int) -> int:
         """The row after those of the cotangents of `key` evaluated next,
@@ -347,14 +398,26 @@ class Run:
         order), which a later pass replaces."""
         for key in primal_keys:
             path, scopes, name = key
-            if not path or path[-1] != PRIMAL:
-                continue
-            self.primal_sown.add(key)
-            dual = self.records.get((path[:-1] + (VJP,), scopes, name))
-            if dual is not None and dual.mode == "clobber":
-                dual.seeded = True
-            elif dual is not None:
-                dual.pass_start = len(dual.chunks)
+            duals = _duals(path)
+            if duals or _outer_duals(path):
+                self.primal_sown.add(key)
+            for dual_path in duals:
+                dual = self.records.get((dual_path, scopes, name))
+                if dual is not None and dual.mode == "clobber":
+                    dual.seeded = True
+                elif dual is not None:
+                    dual.pass_start = len(dual.chunks)
+
+    def end_inner_passes(self, keys: Iterable[RawKey]) -> None:
+        """After the contributions of a block whose occurrences `keys` were
+        (`begin_passes`): where such an occurrence ends an inner backward pass
+        in an outer backward pass's order, the contributions of the inner
+        passes before it, evaluated next, go to the front (`_outer_duals`)."""
+        for path, scopes, name in keys:
+            for dual_path in _outer_duals(path):
+                dual = self.records.get((dual_path, scopes, name))
+                if dual is not None:
+                    dual.front = 0
 
     def record_all(self, key: RawKey, record: Record) -> None:
         """Adds the contributions of a nested run's record, in program order."""
@@ -430,6 +493,7 @@ class Run:
             return vals if self.side_pass else sow_p.bind(*vals, **params)
         self.count_primal(key)
         self.begin_passes((key,))
+        self.end_inner_passes((key,))
         plant = self.plants.get(key)
         if plant is not None:
             return self.apply_plant(key, plant, leaves, params.get("remat", ()), mask)

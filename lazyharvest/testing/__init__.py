@@ -25,12 +25,12 @@ from lazyharvest.testing.laws import (
 from lazyharvest.testing.random_programs import Program
 from lazyharvest.testing.stacks import DIFFERENTIAL, STRUCTURAL, Stack, Transform
 from lazyharvest.testing.statements import (
-    BINARY, CONSTRUCTS, REDUCE, UNARY, B, Bin, Cond, Custom, Jit, Lin, N, Op, Output, Red,
-    Remat, Repeat, Scan, Scope, Sow, While)
+    BINARY, CONSTRUCTS, OPT_IN, REDUCE, UNARY, B, Bin, Cond, Custom, Jit, Lin, N, Op, Output,
+    Passes, Red, Remat, Repeat, Scan, Scope, Sow, While)
 from lazyharvest.testing.strategies import inputs, programs, transform_stacks
 
 __all__ = [
-    "CONSTRUCTS", "LAWS", "Key", "LawReport", "Program", "SiteInfo", "Stack",
+    "CONSTRUCTS", "LAWS", "OPT_IN", "Key", "LawReport", "Program", "SiteInfo", "Stack",
     "Transform", "check_all", "check_compute", "check_jit", "check_jvp",
     "check_lazy", "check_linearize", "check_nest", "check_roundtrip", "check_vjp",
     "check_vmap", "inputs", "programs", "site_info", "split_labels",

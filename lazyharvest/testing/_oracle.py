@@ -18,8 +18,8 @@ from jax import lax
 import lazyharvest as lh
 from lazyharvest.keys import normalize
 from lazyharvest.testing.statements import (
-    BINARY, REDUCE, UNARY, Bin, Cond, Custom, Jit, Lin, N, Op, Output, Red, Remat, Repeat,
-    Scan, Scope, Sow, While)
+    BINARY, REDUCE, UNARY, Bin, Cond, Custom, Jit, Lin, N, Op, Output, Passes, Red, Remat,
+    Repeat, Scan, Scope, Sow, While)
 
 
 def closure_weight(seed: int, shape: tuple) -> Any:
@@ -133,17 +133,23 @@ class Interpreter:
                 p = jax.tree_util.tree_map(lambda a: jnp.asarray(a)[row], p)
             v = jax.tree_util.tree_map(lambda a, b: jnp.asarray(a, jnp.result_type(b)), p, v)
         if key in self.eps:
-            e = self.eps[key]
-            if mode == "append":
-                row = 0 if ctx.idx is None else ctx.idx
-                e = jax.tree_util.tree_map(lambda a: jnp.asarray(a)[row], e)
-            elif ctx.last is not None:
-                e = jax.tree_util.tree_map(lambda a: jnp.where(ctx.last, a, 0), e)
+            e = self.occurrence_eps(key, mode, ctx)
             if under_rule:
                 e = lax.stop_gradient(e)
             v = jax.tree_util.tree_map(jnp.add, v, e)
         sites[key] = (mode, jax.tree_util.tree_map(lambda a: a[None], v) if mode == "append" else v)
         return v
+
+    def occurrence_eps(self, key: tuple, mode: str, ctx: Ctx) -> Any:
+        """The perturbation of ``key`` at this occurrence: its row (append),
+        or all of it at the reaped occurrence and zero elsewhere (clobber)."""
+        e = self.eps[key]
+        if mode == "append":
+            row = 0 if ctx.idx is None else ctx.idx
+            return jax.tree_util.tree_map(lambda a: jnp.asarray(a)[row], e)
+        if ctx.last is not None:
+            return jax.tree_util.tree_map(lambda a: jnp.where(ctx.last, a, 0), e)
+        return e
 
     # -- blocks ----------------------------------------------------------------
 
@@ -193,6 +199,8 @@ class Interpreter:
             return self.while_(st, env, ctx, sites)
         if isinstance(st, Custom):
             return self.custom(st, env, ctx, sites)
+        if isinstance(st, Passes):
+            return self.passes(st, env, ctx, sites)
         raise TypeError(f"unknown statement {st!r}")
 
     def wrapped(self, st: Any, env: list, ctx: Ctx, sites: dict) -> list:
@@ -393,6 +401,49 @@ class Interpreter:
         else:
             gv.defvjp(lambda u: (plain(u), u), lambda u, ct: (derivative(u) * ct,))
         return [gv(env[st.src])]
+
+    def passes(self, st: Passes, env: list, ctx: Ctx, sites: dict) -> list:
+        """Gradient steps, each a backward pass. The oracle unrolls them and
+        writes each step's cotangent at the site with ``jax.grad`` of the
+        loss in the site's value; a perturbation of that cotangent
+        (``eps[("vjp", *key)]``) is added to it, so it flows back into the step."""
+        if self.lh:
+            def loss(h: Any) -> Any:
+                return jnp.sum(jnp.tanh(lh.sow(jnp.sin(h) * 1.5, tag=self.prog.tag,
+                                               name=st.name, mode=st.mode)))
+
+            def step(h: Any) -> Any:
+                return h - 0.25 * jax.grad(loss)(h)
+            h = env[st.src]
+            if st.kind == "steps":
+                for _ in range(st.times):
+                    h = step(h)
+                return [h]
+            h = step(h)
+            if st.kind == "scan":
+                return [lax.scan(lambda c, _: (step(c), None), h, None, length=st.times - 1)[0]]
+            return [lax.while_loop(lambda s: s[0] < st.times - 1,
+                                   lambda s: (s[0] + 1, step(s[1])), (0, h))[1]]
+        key = (*ctx.scopes, st.name)
+        ct_key = ("vjp", *key)
+        h, steps = env[st.src], []
+        for i in range(st.times):
+            sub = ctx.iteration(i, st.times, i == st.times - 1)
+            ct_eps = self.occurrence_eps(ct_key, st.mode, sub) if ct_key in self.eps else 0.
+
+            def loss(h: Any, sub: Ctx = sub, ct_eps: Any = ct_eps) -> Any:
+                v = self.site(st.name, jnp.sin(h) * 1.5, st.mode, sub, {})
+                return jnp.sum(jnp.tanh(v)) + jnp.sum(ct_eps * v)
+            local: dict = {}
+            v = self.site(st.name, jnp.sin(h) * 1.5, st.mode, sub, local)
+            ct = jax.grad(lambda u: jnp.sum(jnp.tanh(u)))(v)
+            local[ct_key] = (st.mode, ct[None] if st.mode == "append" else ct)
+            steps.append(local)
+            h = h - 0.25 * jax.grad(loss)(h)
+        for k in (key, ct_key):
+            rows = [s[k][1] for s in steps]
+            sites[k] = (st.mode, jnp.concatenate(rows) if st.mode == "append" else rows[-1])
+        return [h]
 
     # -- the whole program ---------------------------------------------------------
 

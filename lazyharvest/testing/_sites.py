@@ -19,7 +19,7 @@ import lazyharvest as lh
 # lazyharvest internals: imported here and nowhere else in the package.
 from lazyharvest._interpreter import sub_jaxprs
 from lazyharvest.delayed import LEAF_AT_PREFIX
-from lazyharvest.keys import Key, normalize
+from lazyharvest.keys import PRIMAL, Key, normalize
 from lazyharvest.primitive import sow_p
 from lazyharvest.testing._values import all_zero, random_like
 
@@ -77,6 +77,8 @@ def spelling(d: Any) -> dict[tuple[tuple, Key], Key]:
         n = len(key) - len(scopes) - 1
         labels = tuple(x for x in key[:n] if x not in ("primal", "|"))
         out.setdefault((labels, key[n:]), key)
+        # the levels a spelled-out key writes, "primal" included
+        out[(("|",) + tuple(x for x in key[:n] if x != "|"), key[n:])] = key
     return out
 
 
@@ -139,7 +141,10 @@ def _count_sites(jaxpr: Any, tag: Hashable) -> dict[Key, SiteInfo]:
     for eqn in jaxpr.eqns:
         if eqn.primitive is sow_p:
             p = eqn.params
-            if p["tag"] == tag and not p.get("path"):
+            # a primal occurrence (in a jax.grad the program runs, its path
+            # is primal at that level), not a derivative copy nor a recomputation
+            if (p["tag"] == tag and all(level == PRIMAL for level in p.get("path", ()))
+                    and not p.get("recompute")):
                 _add_counts(out, {(*p["scopes"], p["name"]): SiteInfo(p["mode"], 1)})
             continue
         name = eqn.primitive.name

@@ -58,14 +58,14 @@ def _split_linear(got: Mapping[Key, Any],
     whole loop in it), its keys are those of ``jax.jvp``: ``("jvp", *k)`` for
     the tangents, ``k`` for the values of the sites that run there.
     """
-    def tangent(k: Key) -> bool:
-        return split(k)[0][:1] == ("jvp",)
+    def tangent(k: Key) -> bool:  # (labels are innermost first: the outer level last)
+        return split(k)[0][-1:] == ("jvp",)
     if not any(tangent(k) for k in got):
         return dict(got), {}
 
     def plain(labels: tuple, rest: tuple) -> Key:  # a shared key is spelled out
         return (*(x for x in labels if x not in ("primal", "|")), *rest)
-    tangents = {plain(split(k)[0][1:], split(k)[1]): v for k, v in got.items() if tangent(k)}
+    tangents = {plain(split(k)[0][:-1], split(k)[1]): v for k, v in got.items() if tangent(k)}
     values = {plain(*split(k)): v for k, v in got.items() if not tangent(k)}
     return tangents, values
 
@@ -246,11 +246,6 @@ def check_vjp(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     values = guard(law_a, lambda: reaped(f, tag, args))
     out = guard(law_a, lambda: f(*args))
     ct_out = random_like(out, 5) if cotangent is None else cotangent
-    split = label_split(f, tag, args)
-    labelled = [k for k in values if split(k)[0]]
-    if labelled:
-        raise ValueError(f"check_vjp: f's keys carry labels {labelled}; law 5 is "
-                         f"stated for functions that do not differentiate inside.")
 
     # (b)
     bwd = guard(law_b, lambda: jax.vjp(f, *args)[1])
@@ -258,8 +253,10 @@ def check_vjp(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     only_on_left(law_b, [display(k) for k in got_b if k not in values])
     missing(law_b, [k for k in values if k not in got_b], Evidence(f, args, tag).dead,
             "constant or dead sites", strict_keys)
-    if keys is None:
-        keys = default_keys(f, args, tag, values, lambda i: i.once)
+    if keys is None:  # (not a cotangent of a pass f runs: one per pass)
+        split = label_split(f, tag, args)
+        keys = [k for k in default_keys(f, args, tag, values, lambda i: i.once)
+                if "vjp" not in split(k)[0]]
     for k in map(normalize, keys):
         if k in got_b:  # a missing key was excused above
             want_k = guard(law_b, lambda k=k: _plant_gradient(f, args, tag, k, values[k], ct_out))
@@ -381,21 +378,43 @@ class _Law7:
     """The parts of law 7 for one function, its inputs and its slices."""
 
     def __init__(self, f: Callable, args: tuple, tag: Hashable, slices: Mapping[Key, Callable],
-                 rtol: float, atol: float, strict_keys: bool):
+                 rtol: float, atol: float, strict_keys: bool,
+                 split: Callable[[Key], tuple[tuple, tuple]] | None = None):
         self.f, self.args, self.tag, self.slices = f, args, tag, slices
         self.rtol, self.atol, self.strict_keys = rtol, atol, strict_keys
+        self.split = split or (lambda k: ((), tuple(k)))
 
     def reap(self, f: Callable, *args: Any) -> Any:
         return lh.reap(f, tag=self.tag)(*args)
 
-    def leaves(self, law: str, d: Any, keys: Mapping[Key, Key], expected: Mapping[Key, Any],
-               excuse: Callable[[Key], bool] = lambda k: False, what: str = "") -> None:
-        """``d[keys[k]] == expected[k]`` one leaf at a time (the lazy path); a
-        key absent from ``d`` must be excused by ``excuse``."""
+    def under(self, label: str | None = None) -> dict[Key, tuple[tuple, tuple]]:
+        """Per slice key, (labels, rest) of its key under one more, outer,
+        level (``label``; None: the same key). Labels are written innermost
+        first: the tangent of an inner pass's cotangent ``("vjp", k)`` is
+        ``("vjp", "jvp", k)``."""
+        out = {}
+        for k in self.slices:
+            labels, rest = self.split(k)
+            out[k] = ((*labels, label) if label else labels, rest)
+        return out
+
+    def leaves(self, law: str, d: Any, keys: Mapping[Key, tuple[tuple, tuple]],
+               expected: Mapping[Key, Any], excuse: Callable[[Key], bool] = lambda k: False,
+               what: str = "") -> None:
+        """``d[(*labels, *rest)] == expected[k]`` for ``keys[k] = (labels,
+        rest)``, one leaf at a time (the lazy path); a key absent from ``d``
+        must be excused by ``excuse``."""
         present = {normalize(k) for k in d}
-        # a key two sites would share is spelled out (scopes like labels)
+        # a key two sites would share is spelled out (scopes like labels;
+        # the levels of a site inside an inner differentiation, "primal"
+        # included: `split`)
         spelled = spelling(d)
-        keys = {k: spelled.get((dk[:len(dk) - len(k)], k), dk) for k, dk in keys.items()}
+
+        def spelled_as(lab: tuple, rest: tuple) -> Key:
+            short = tuple(x for x in lab if x != "primal")
+            full = spelled.get((("|",) + lab, rest)) if "primal" in lab else None
+            return full or spelled.get((short, rest), (*short, *rest))
+        keys = {k: spelled_as(lab, rest) for k, (lab, rest) in keys.items()}
         missing(law, [k for k, dk in keys.items() if dk not in present], excuse, what,
                 self.strict_keys)
         for k, dk in keys.items():
@@ -432,9 +451,8 @@ class _Law7:
         tan = {k: guard(law, lambda s=s: jax.jvp(s, tuple(self.args), t)[1])
                for k, s in self.slices.items()}
         d = guard(law, lambda: self.reap(lambda *a: jax.jvp(self.f, a, t), *self.args))
-        self.leaves(law, d, {k: k for k in self.slices}, want)
-        self.leaves(law, d, {k: ("jvp", *k) for k in self.slices}, tan,
-                    lambda k: all_zero(tan[k]), "constant sites")
+        self.leaves(law, d, self.under(), want)
+        self.leaves(law, d, self.under("jvp"), tan, lambda k: all_zero(tan[k]), "constant sites")
         return tan
 
     def cotangent_keys(self, want: Mapping[Key, Any], perturb: Callable, ct: Any,
@@ -444,9 +462,8 @@ class _Law7:
         eps0 = {k: zeros_like_tree(v) for k, v in want.items()}
         ct_sites = guard(law, lambda: jax.vjp(lambda e: perturb(e, *self.args), eps0)[1](ct)[0])
         d = guard(law, lambda: self.reap(lambda *a: jax.vjp(self.f, *a)[1](ct), *self.args))
-        self.leaves(_law(7, "values under reverse mode"), d, {k: k for k in self.slices}, want)
-        self.leaves(law, d, {k: ("vjp", *k) for k in self.slices}, ct_sites, constant,
-                    "constant sites")
+        self.leaves(_law(7, "values under reverse mode"), d, self.under(), want)
+        self.leaves(law, d, self.under("vjp"), ct_sites, constant, "constant sites")
         return ct_sites
 
     def backward_function(self, ct: Any, ct_sites: Mapping[Key, Any],
@@ -455,7 +472,7 @@ class _Law7:
         law = _law(7, "reaped backward function")
         _, bwd = jax.vjp(self.f, *self.args)
         db = guard(law, lambda: self.reap(bwd, ct))
-        self.leaves(law, db, {k: k for k in self.slices}, ct_sites,
+        self.leaves(law, db, self.under(), ct_sites,
                     lambda k: constant(k) or all_zero(ct_sites[k]), "constant or dead sites")
 
     def linear_function(self, want: Mapping[Key, Any], t: Any, tan: Mapping[Key, Any],
@@ -472,10 +489,10 @@ class _Law7:
         what = "constant or dead sites"
         _, got_v = _split_linear({normalize(k): None for k in dl}, split_of(dl))
         if got_v and not self.strict_keys:  # a while_loop: jax.jvp's keys (law 1)
-            self.leaves(law, dl, {k: k for k in got_v}, want)
-            self.leaves(law, dl, {k: ("jvp", *k) for k in self.slices}, tan, dead, what)
+            self.leaves(law, dl, {k: v for k, v in self.under().items() if k in got_v}, want)
+            self.leaves(law, dl, self.under("jvp"), tan, dead, what)
             return
-        self.leaves(law, dl, {k: k for k in self.slices}, tan, dead, what)
+        self.leaves(law, dl, self.under(), tan, dead, what)
         only_on_left(law, [k for k in map(normalize, dl.keys()) if k not in self.slices])
 
 
@@ -483,7 +500,8 @@ def check_lazy(f: Callable, *args: Any, tag: Hashable, slices: Mapping[Any, Call
                perturb: Callable | None = None, stack: Stack | None = None,
                forward: bool = True, linear: bool = True, rtol: float = RTOL,
                atol: float = ATOL, tangents: Any = None, cotangent: Any = None,
-               strict_keys: bool = False) -> None:
+               strict_keys: bool = False,
+               split: Callable[[Key], tuple[tuple, tuple]] | None = None) -> None:
     """Law 7: every lazy leaf equals its direct definition, written with JAX alone.
 
     ``slices[k](*args)`` computes site ``k``'s value with JAX alone (no sow).
@@ -509,9 +527,14 @@ def check_lazy(f: Callable, *args: Any, tag: Hashable, slices: Mapping[Any, Call
     A derivative key may be missing only for a constant site (zero tangent)
     or, for the linear/backward functions, a dead one (zero cotangent), as
     docs/laws.md narrows SPEC; ``strict_keys=True`` requires every key.
+    ``split(k)`` gives (labels, rest) of a slice key whose site lies inside
+    a differentiation of ``f``: every level written, ``("primal",)`` for
+    its value, ``("vjp",)`` for the cotangent an inner ``jax.grad`` gives it
+    (``Program.split``); default: keys carry no labels. The keys the checks
+    read drop ``"primal"`` but where two sites would share one.
     """
     law7 = _Law7(f, args, tag, {normalize(k): s for k, s in slices.items()}, rtol, atol,
-                 strict_keys)
+                 strict_keys, split)
     if stack is not None:
         law7.under_stack(stack)
         return

@@ -17,8 +17,8 @@ import numpy as np
 from lazyharvest.keys import Key
 from lazyharvest.testing._oracle import Interpreter
 from lazyharvest.testing.statements import (
-    LABEL_NAMES, B, Bin, Cond, Custom, Jit, Lin, N, Op, Output, Red, Remat, Repeat, Scan,
-    Scope, Sow, While)
+    LABEL_NAMES, B, Bin, Cond, Custom, Jit, Lin, N, Op, Output, Passes, Red, Remat, Repeat,
+    Scan, Scope, Sow, While)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +118,24 @@ class Program:
         found.add({"scalar": "scalar_out", "array": "array_out",
                    "tree": "pytree_out"}[self.output.kind])
         return frozenset(found)
+
+    def split(self, key: Key) -> tuple[tuple, tuple]:
+        """(labels, rest) of one of ``keys``, every level of differentiation
+        in the program written: for a site of ``Passes``, ``("vjp",)`` for
+        its cotangent, ``("primal",)`` for its value; else no labels."""
+        key = tuple(key)
+        if key in self.pass_cotangent_keys:
+            return key[:1], key[1:]
+        if ("vjp", *key) in self.pass_cotangent_keys:
+            return ("primal",), key
+        return (), key
+
+    @functools.cached_property
+    def pass_cotangent_keys(self) -> frozenset:
+        """The keys ``("vjp", *scopes, name)`` of the sites of ``Passes``."""
+        out: list = []
+        _passes(self.body, (), out)
+        return frozenset(("vjp", *k) for k in out)
 
     @functools.cached_property
     def once_keys(self) -> list[Key]:
@@ -226,6 +244,10 @@ def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool,
             found.update({"site", st.construct})
             if in_scan:
                 found.add("scan_append" if st.mode == "append" else "scan_clobber")
+        elif isinstance(st, Passes):
+            found.update({"site", st.construct, "scan_append" if st.mode == "append"
+                          else "scan_clobber"})
+            found.update({"scan": {"scan"}, "while": {"while"}}.get(st.kind, set()))
 
 
 def _loop_constructs(st: While, found: set, in_scan: bool) -> None:
@@ -334,8 +356,9 @@ def _variance(body: tuple, variant: list, in_loop: bool, in_remat: bool, found: 
             if in_loop and st.mode == "append" and not v:
                 found.add("invariant_append_site")
             new = [v]
-        elif isinstance(st, (While, Custom)):
-            if isinstance(st, Custom) and in_loop and st.mode == "append" and not env[st.src]:
+        elif isinstance(st, (While, Custom, Passes)):
+            if (isinstance(st, (Custom, Passes)) and in_loop and st.mode == "append"
+                    and not env[st.src]):
                 found.add("invariant_append_site")
             new = [env[st.src]]
         else:
@@ -359,9 +382,20 @@ def _once(body: tuple, scopes: tuple, out: list, looped: bool) -> None:
             out.append((*scopes, st.name))
 
 
+def _passes(body: tuple, scopes: tuple, out: list) -> None:
+    for st in body:
+        if isinstance(st, Passes):
+            out.append((*scopes, st.name))
+        elif isinstance(st, Scope):
+            _passes(st.body, scopes + (st.scope,), out)
+        elif hasattr(st, "body"):
+            _passes(st.body, scopes, out)
+
+
 def _clobber_loops(body: tuple, scopes: tuple, out: list, looped: bool) -> None:
     for st in body:
-        if isinstance(st, (Sow, Custom)) and looped and st.mode == "clobber":
+        if (isinstance(st, (Sow, Custom)) and looped or isinstance(st, Passes)) and (
+                st.mode == "clobber"):
             out.append((*scopes, st.name))
         elif isinstance(st, Cond) and looped and st.mode == "clobber":
             out.extend((*scopes, n) for n in st.names)
@@ -420,6 +454,13 @@ def _render(body: tuple, names: list, counter: list, lines: list, ind: str) -> N
             new(_render_cond(st, names))
         elif isinstance(st, While):
             new(_render_loop(st, names))
+        elif isinstance(st, Passes):
+            step = (f"h = h - 0.25 * grad(h -> sum(tanh(sow(sin(h) * 1.5, name={st.name!r}, "
+                    f"mode={st.mode!r}))))(h)")
+            loop = {"steps": f"{st.times} times in a Python loop",
+                    "scan": f"once, then in a lax.scan of {st.times - 1}",
+                    "while": f"once, then in a lax.while_loop of {st.times - 1}"}[st.kind]
+            new(f"(h = {names[st.src]}; {step}, {loop}; h)")
         elif isinstance(st, Custom):
             w = f" * W{st.closure}" if st.kind == "vjp_closure" else ""
             new(f"custom_{st.kind.split('_')[0]}(u -> tanh(sow(sin(u){w}, name={st.name!r}, "

@@ -60,7 +60,16 @@ CONSTRUCTS = frozenset({
     "label_scopes",  # lh.nest scopes spelled like labels
     "constant_in_jit",  # a constant site directly inside jax.jit
     "constant_in_scan",  # a constant or stop_gradient site directly in a scan body
+    # several differentiation passes in one program (``Passes``): a Python
+    # loop of jax.grad steps, a jax.grad before a lax.scan / lax.while_loop of
+    # them; only drawn when asked for (``OPT_IN``)
+    "grad_steps", "grad_scan", "grad_while",
 })
+
+#: Constructs drawn only when ``programs(include=...)`` names them: their keys
+#: carry labels (``("vjp", name)``, the inner passes' cotangents), which not
+#: every law's checker reads.
+OPT_IN = frozenset({"grad_steps", "grad_scan", "grad_while"})
 
 #: Site names spelled like labels (docs/semantics.md, section 2).
 LABEL_NAMES = ("grad", "jvp", "vjp", "vmap", "jit")
@@ -251,6 +260,26 @@ class Custom:
     def construct(self) -> str:
         return {"jvp": "custom_jvp", "vjp": "custom_vjp", "vjp_closure": "custom_vjp_closure",
                 "vjp_recompute": "custom_vjp_recompute"}[self.kind]
+
+
+@dataclasses.dataclass(frozen=True)
+class Passes:
+    """Gradient steps ``h = h - 0.25 * jax.grad(loss)(h)`` from ``h = v[src]``,
+    with ``loss(h) = sum(tanh(sow(sin(h) * 1.5)))``: each step is a backward
+    pass, and the site's cotangent in it is reaped as ``("vjp", name)``.
+    ``kind``: ``"steps"`` (``times`` steps in a Python loop), ``"scan"`` or
+    ``"while"`` (one step, then a ``lax.scan`` / ``lax.while_loop`` of
+    ``times - 1`` steps). Creates the final ``h``."""
+
+    src: int
+    name: str
+    mode: str
+    times: int
+    kind: str
+
+    @property
+    def construct(self) -> str:
+        return f"grad_{self.kind}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,8 +13,8 @@ from typing import Any
 from lazyharvest.testing.random_programs import Program
 from lazyharvest.testing.stacks import Stack, Transform
 from lazyharvest.testing.statements import (
-    BINARY, CONSTRUCTS, LABEL_NAMES, REDUCE, UNARY, Bin, Cond, Custom, Jit, Lin, N, Op, Output, Red,
-    Remat, Repeat, Scan, Scope, Sow, While)
+    BINARY, CONSTRUCTS, LABEL_NAMES, OPT_IN, REDUCE, UNARY, Bin, Cond, Custom, Jit, Lin, N, Op,
+    Output, Passes, Red, Remat, Repeat, Scan, Scope, Sow, While)
 
 #: The statements a Python loop's layer may hold (see ``_Gen.repeat``).
 LAYER_KINDS = ("op", "op", "bin", "lin", "red", "sow", "sow", "pytree_site", "constant",
@@ -46,6 +46,7 @@ class _Gen:
         self.labels: dict[tuple, set] = {}
         self.n_scopes = 0
         self.n_sites = 0
+        self.n_passes = 0
 
     def st(self) -> Any:
         return _strategies()
@@ -76,6 +77,8 @@ class _Gen:
         if {"custom_jvp", "custom_vjp", "custom_vjp_closure",
                 "custom_vjp_recompute"} & self.allowed:
             kinds.append("custom")
+        if OPT_IN & self.allowed:
+            kinds.append("passes")
         if depth < self.max_depth:
             kinds += [k for k in ("scope", "jit", "checkpoint", "scan", "cond", "switch",
                                   "while") if k in self.allowed]
@@ -126,7 +129,19 @@ class _Gen:
             return self.repeat(kind, shapes, scopes, depth)
         if kind == "custom":
             return self.custom(shapes, scopes, loop)
+        if kind == "passes":
+            return self.passes(shapes, scopes)
         raise ValueError(kind)
+
+    def passes(self, shapes: list, scopes: tuple) -> tuple[Any, list]:
+        """Several gradient steps, each a backward pass (``Passes``)."""
+        kinds = [k for k in ("steps", "scan", "while") if f"grad_{k}" in self.allowed]
+        self.n_passes += 1
+        src = self.pick(shapes)
+        kind = self.draw(self.st().sampled_from(kinds))
+        times = self.draw(self.st().integers(2, 3))
+        mode = "clobber" if kind == "while" else self.mode(True)  # (append: not in a while_loop)
+        return Passes(src, self.name(scopes), mode, times, kind), [shapes[src]]
 
     def custom(self, shapes: list, scopes: tuple, loop: bool) -> tuple[Any, list]:
         """A function with a custom rule whose primal body sows."""
@@ -254,7 +269,8 @@ class _Gen:
         return Repeat(src, body, times, kind == "jit_layer", not self.dead_code), [shapes[src]]
 
 
-def programs(*, exclude: Iterable[str] = (), max_statements: int = 5, max_depth: int = 2,
+def programs(*, exclude: Iterable[str] = (), include: Iterable[str] = (),
+             max_statements: int = 5, max_depth: int = 2,
              outputs: Sequence[str] = ("scalar", "array", "tree"), dead_code: bool = True,
              tag: str = "law") -> Any:
     """A hypothesis strategy of random ``Program`` s.
@@ -267,14 +283,21 @@ def programs(*, exclude: Iterable[str] = (), max_statements: int = 5, max_depth:
     ``max_depth`` deep. They always sow at least one site. With
     ``dead_code=False`` every variable reaches the output (the output and
     every scan carry combine all variables), so no site is dead code.
+    ``include`` adds constructs of ``OPT_IN`` (several differentiation
+    passes, whose keys carry labels); the program then holds one at least,
+    and no site name nor scope is spelled like a label, so that
+    ``Program.split`` tells a cotangent key from a value's.
     """
     st = _strategies()
-    exclude = frozenset(exclude)
-    unknown = exclude - CONSTRUCTS
-    if unknown:
-        raise ValueError(f"programs: unknown constructs {sorted(unknown)}; "
-                         f"known: {sorted(CONSTRUCTS)}")
-    allowed = CONSTRUCTS - exclude
+    exclude, include = frozenset(exclude), frozenset(include)
+    unknown = (exclude | include) - CONSTRUCTS
+    if unknown or include - OPT_IN:
+        raise ValueError(f"programs: unknown constructs {sorted(unknown)}, or "
+                         f"{sorted(include - OPT_IN - unknown)} not opt-in; known: "
+                         f"{sorted(CONSTRUCTS)}, opt-in: {sorted(OPT_IN)}")
+    allowed = (CONSTRUCTS - OPT_IN - exclude) | (include - exclude)
+    if include:
+        allowed -= {"label_names", "label_scopes"}
 
     @st.composite
     def draw_program(draw: Callable) -> Program:
@@ -286,6 +309,10 @@ def programs(*, exclude: Iterable[str] = (), max_statements: int = 5, max_depth:
         if gen.n_sites == 0:
             body += (Sow(gen.name(()), (len(shapes) - 1,), "strict"),)
             shapes.append(shapes[-1])
+        if OPT_IN & allowed and not gen.n_passes:  # asked for: one at least
+            stmt, new = gen.passes(shapes, ())
+            body += (stmt,)
+            shapes += new
         kinds = [k for k in outputs if {"scalar": "scalar_out", "array": "array_out",
                                         "tree": "pytree_out"}[k] in allowed]
         kind = draw(st.sampled_from(kinds))
