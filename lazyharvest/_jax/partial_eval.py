@@ -290,7 +290,7 @@ def partial_eval_keeping_staged(previous: Callable, keep: Callable[[Jaxpr], bool
             _made.reset(token)
             if _made.get() is not None:  # (a rule around this one sees them too)
                 _made.get().extend(made)
-        held = {id(h.eqn) for h in trace.effect_handles}
+        held = {id(h.recipe) for h in trace.effect_handles}
         for recipe in made:
             body = recipe.params.get("jaxpr")
             outs_of = [r() for r in recipe.out_tracer_refs]
