@@ -276,20 +276,28 @@ def _recording_new_eqn_recipe(*args: Any, **kwargs: Any) -> Any:
 _pe.new_eqn_recipe = _recording_new_eqn_recipe
 
 
+@contextlib.contextmanager
+def _recipes_made():
+    """Collects the eqn recipes made inside into the list it yields; a rule
+    around this one sees them too, less those removed from the list."""
+    made: list = []
+    token = _made.set(made)
+    try:
+        yield made
+    finally:
+        _made.reset(token)
+        if _made.get() is not None:
+            _made.get().extend(made)
+
+
 def partial_eval_keeping_staged(previous: Callable, keep: Callable[[Jaxpr], bool]) -> Callable:
     """`previous` (jax.checkpoint's partial-eval rule), except that the eqn
     it stages for the unknown half stays in the jaxpr even if it has no
     output that anything uses, when `keep(body)` says its body must (it
     holds tangent sites), as an ordinary primitive with an effect stays."""
     def rule(trace, *tracers, **params):
-        made: list = []
-        token = _made.set(made)
-        try:
+        with _recipes_made() as made:
             outs = previous(trace, *tracers, **params)
-        finally:
-            _made.reset(token)
-            if _made.get() is not None:  # (a rule around this one sees them too)
-                _made.get().extend(made)
         held = {id(h.recipe) for h in trace.effect_handles}
         for recipe in made:
             body = recipe.params.get("jaxpr")
@@ -314,14 +322,22 @@ def partial_eval_with_a_linear_input(previous: Callable,
     body being evaluated forward. (The split of a body that reads no input
     with a tangent leaves its staged half with none.)"""
     def rule(trace, *tracers, **params):
-        outs = previous(trace, *tracers, **params)
-        recipe = next((r for r in (getattr(o, "recipe", None) for o in outs)
-                       if isinstance(r, _pe.JaxprEqnRecipe)), None)
-        if recipe is None or not needs(recipe.params["jaxpr"]):
-            return outs
-        unknown = {id(t) for t in tracers if not t.pval.is_known()}
-        if any(id(t) in unknown for t in recipe.in_tracers):
-            return outs
+        with _recipes_made() as made:
+            outs = previous(trace, *tracers, **params)
+            recipe = next((r for r in (getattr(o, "recipe", None) for o in outs)
+                           if isinstance(r, _pe.JaxprEqnRecipe)), None)
+            if recipe is None and made and not made[-1].out_tracer_refs:
+                # a staged half with no outputs (newer JAX drops the outputs
+                # it does not instantiate) is the last recipe the rule made
+                recipe = made[-1]
+            if (recipe is None or not isinstance(recipe.params.get("jaxpr"), Jaxpr)
+                    or not needs(recipe.params["jaxpr"])):
+                return outs
+            unknown = {id(t) for t in tracers if not t.pval.is_known()}
+            if any(id(t) in unknown for t in recipe.in_tracers):
+                return outs
+            # replaced below: no rule around this one is to keep it
+            made[:] = [r for r in made if r is not recipe]
         aval = _core.ShapedArray((), jax.numpy.float32)
         with _core.set_current_trace(trace):
             zero = trace.instantiate_const(trace.new_const(jax.numpy.zeros((), "float32")))
