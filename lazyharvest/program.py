@@ -33,6 +33,7 @@ from lazyharvest._interpreter import (
     RawKey,
     Run,
     count_occurrences,
+    plant_order,
     split_list,
     sub_jaxprs,
 )
@@ -225,10 +226,14 @@ class Traced:
         # An additive clobber plant goes to the last occurrence: count them.
         counts = (count_occurrences(closed.jaxpr, self.harvest)
                   if any(e.additive and e.mode != "append" for e in plants.entries) else {})
+        # A cotangent planted in an outer backward pass over inner ones
+        # (a `jax.vjp` of `jax.grad` steps) meets its rows out of order.
+        orders = {e.key: plant_order(closed.jaxpr, self.harvest, e.key)
+                  for e in plants.entries if e.additive}
 
         def fn(*flat):
             args, leaves = flat[:n_args], flat[n_args:]
-            planted = {k: attrs.evolve(p, count=counts.get(k, 1))
+            planted = {k: attrs.evolve(p, count=counts.get(k, 1), order=orders.get(k))
                        for k, p in plants.plants(leaves).items()}
             run = Run(self.harvest, wanted.__contains__, planted,
                       keep_other_tags=with_out, pass_through=pass_through,

@@ -248,13 +248,12 @@ def test_law1_linearize_with_several_passes(pa):
 @given(program_and_args(include=PASSES - {"grad_while"}, exclude={"while"}),
        st.integers(0, 2 ** 16))
 def test_law5_vjp_with_several_passes(pa, seed):
-    # planting an inner pass's cotangent into the outer backward function is
-    # open (docs/laws.md): cotangents are planted at value sites only
+    # cotangents planted at value sites and at the inner passes' cotangents
     p, args = pa
     out = jax.eval_shape(p.fn, *args)
     bwd = jax.vjp(p.fn, *args)[1]
     d = lh.reap(bwd, tag=p.tag)(jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape), out))
-    keys = [k for k in map(lh.keys.normalize, d.keys()) if "vjp" not in p.split(k)[0]]
+    keys = list(map(lh.keys.normalize, d.keys()))
     chosen = np.random.RandomState(seed).rand(len(keys)) < 0.5
     T.check_vjp(p.fn, *args, tag=p.tag, plant_keys=[k for k, c in zip(keys, chosen) if c])
 
@@ -340,18 +339,51 @@ def test_regression_outer_cotangents_of_inner_cotangents_keep_program_order(kind
     close(d["vjp", "vjp", "s"], want if mode == "append" else want[-1])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open (docs/laws.md): a cotangent planted at an inner pass's cotangent in the outer "
-    "backward function takes its rows pass by pass reversed"))
-def test_open_planting_an_inner_cotangent_into_the_outer_backward_function():
-    # law 5 (a): the VJP of x -> (f(x), inner cotangents) fed (1, c) equals
-    # the backward function with c planted at ("vjp", "s")
-    x, c = jnp.array([0.3, -0.5, 0.7]), jnp.array([[1.0, 0.0, 0.5], [0.0, 2.0, -1.0]])
-    f = _grad_steps("steps", "append", times=2)
-    plain = _grad_steps("steps", "append", sow=False, times=2)
-    _, vjp = jax.vjp(lambda x: (plain(x), _inner_cotangents(x, "append", times=2)), x)
+@pytest.mark.parametrize("times", [2, 3])
+@pytest.mark.parametrize("mode", ["append", "clobber"])
+@pytest.mark.parametrize("kind", ["steps", "scan"])
+def test_regression_planting_an_inner_cotangent_into_the_outer_backward_function(
+        kind, mode, times):
+    # (law 5 (a) on several-pass programs) the outer backward pass visits the
+    # inner passes last first: a cotangent planted at ("vjp", "s") took its
+    # rows (a clobber plant: its occurrence) in that order, not the program's
+    x = jnp.array([0.3, -0.5, 0.7])
+    c = (jnp.arange(times * 3.0).reshape(times, 3) * 0.3 - 1 if mode == "append"
+         else jnp.array([1.0, -2.0, 0.5]))
+    f = _grad_steps(kind, mode, times=times)
+    plain = _grad_steps(kind, mode, sow=False, times=times)
+    _, vjp = jax.vjp(lambda x: (plain(x), _inner_cotangents(x, mode, times=times)), x)
     got = lh.plant(jax.vjp(f, x)[1], tag="t")({("vjp", "s"): c}, 1.0)
     close(got[0], vjp((jnp.float32(1.0), c))[0])
+
+
+def _grad_step_in_a_cond(after_another):
+    def loss(h, sow):  # (plain JAX: sow=False)
+        v = jnp.sin(h) * 1.5
+        return jnp.sum(jnp.tanh(lh.sow(v, tag="t", name="s", mode="clobber") if sow else v))
+
+    def f(x, sow=True):
+        step = lambda h: h - 0.25 * jax.grad(loss)(h, sow)  # noqa: E731
+        h = step(x) if after_another else x
+        return jnp.sum(lax.cond(x[0] > 0, step, lambda h: h, h) ** 2)
+    return f
+
+
+def test_regression_a_cotangent_planted_over_passes_one_of_them_in_a_cond():
+    # a pass in a cond some of whose branches run none: with another pass
+    # before it, which row (clobber: which occurrence) each takes depends on
+    # the predicate, so the plant is refused; alone, it is planted as evaluated
+    x, c = jnp.array([0.3, -0.5, 0.7]), jnp.array([1.0, -2.0, 0.5])
+    bwd = jax.vjp(_grad_step_in_a_cond(True), x)[1]
+    with pytest.raises(lh.HarvestError, match="'vjp/vjp/s'.*lax.cond whose branches differ"):
+        lh.plant(bwd, tag="t")({("vjp", "s"): c}, 1.0)
+    f = _grad_step_in_a_cond(False)
+
+    def plain(x):  # the program with the site's cotangent as an output
+        ct = jax.grad(lambda u: jnp.sum(jnp.tanh(u)))(jnp.sin(x) * 1.5)
+        return f(x, False), ct
+    got = lh.plant(jax.vjp(f, x)[1], tag="t")({("vjp", "s"): c}, 1.0)
+    close(got[0], jax.vjp(plain, x)[1]((jnp.float32(1.0), c))[0])
 
 
 # --- every law on the simplest program with each construct ----------------------------

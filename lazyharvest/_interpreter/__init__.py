@@ -25,7 +25,7 @@ from lazyharvest._interpreter.plumbing import (
     trace_body,
     zeros,
 )
-from lazyharvest._interpreter.run import EVAL_RULES, Plant, Record, Run, Site, bind
+from lazyharvest._interpreter.run import EVAL_RULES, Plant, Record, Run, Site, bind, plant_order
 from lazyharvest._interpreter.sites import (
     ANY_TAG,
     COUNT_RULES,
@@ -45,7 +45,7 @@ __all__ = [
     "ANY_TAG", "COUNT_RULES", "EVAL_RULES", "Body", "Counts", "Harvest", "Plant",
     "PlantOperands", "RawKey", "Record", "Run", "Site", "add_counts", "bind",
     "contains_sites", "count_occurrences", "describe", "jaxpr_has_sites", "finish", "invar_avals",
-    "merge", "per_site", "raw_key", "split_list", "strip_all_sites", "strip_sites",
+    "merge", "per_site", "plant_order", "raw_key", "split_list", "strip_all_sites", "strip_sites",
     "sub_jaxprs", "trace_body", "zeros",
 ]
 

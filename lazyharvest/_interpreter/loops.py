@@ -113,7 +113,8 @@ class _ScanPlants:
             # sow (`Run.pending`), or the scan takes it and may not sow
             owes = n > 0 and pl.mode == "clobber" and runs_backward(k) and (
                 k in run.pending or start + n == total and may_owe(jaxpr, run.harvest, k))
-            if pl.mode != "append" and not owes and (n == 0 or start + n != total):
+            if pl.mode != "append" and not owes and (
+                    n == 0 or not start <= pl.last() < start + n):
                 # (a scan of length 0 has no occurrence to add a cotangent at)
                 self.dropped.add(k)
                 continue
@@ -139,9 +140,11 @@ class _ScanPlants:
 
     def _slice(self, pl: Plant, start: int, n: int, n_it: int) -> list:
         if pl.mode == "append":
-            return [x[start:start + n].reshape(self.length, n_it, *x.shape[1:])
-                    for x in pl.leaves]
-        return [jnp.zeros((self.length, *jnp.shape(x)), x.dtype).at[self.length - 1].set(x)
+            rows = slice(start, start + n) if pl.order is None else np.asarray(
+                pl.order[start:start + n])
+            return [x[rows].reshape(self.length, n_it, *x.shape[1:]) for x in pl.leaves]
+        at = self.length - 1 if pl.order is None else (pl.last() - start) // n_it
+        return [jnp.zeros((self.length, *jnp.shape(x)), x.dtype).at[at].set(x)
                 for x in pl.leaves]
 
     def owed_leaves(self) -> list:
@@ -169,11 +172,13 @@ class _ScanPlants:
             sizes += [len(self.owed)] + [len(run.plants[k].leaves) for k in self.owed]
         chunks = split_list(extra, sizes)
         for k, leaves in zip(self.keys, chunks):
-            plants[k] = attrs.evolve(run.plants[k], leaves=leaves, count=self.slices[k][2])
+            start, _, n_it = self.slices[k]
+            plants[k] = attrs.evolve(run.plants[k], leaves=leaves, count=n_it,
+                                     order=run.plants[k].within(start, n_it * self.length, n_it))
         n = len(self.keys) + len(self.pairs)
         for (pair, n_it), leaves in zip(self.pairs, chunks[len(self.keys):n]):
             replay_plants[pair] = attrs.evolve(_plant_of(run, pair), leaves=leaves,
-                                               count=n_it)
+                                               count=n_it, order=None)
         if finding:  # a side computation: it sows nothing
             inner = run.nested(plants, {}, lambda k: k in self.owed, pass_through=False,
                                track_sown=True, replay_plants=replay_plants)

@@ -18,7 +18,13 @@ import jax
 import jax.numpy as jnp
 
 from lazyharvest import _jax
-from lazyharvest._interpreter.sites import Harvest, RawKey, contains_sites, raw_key
+from lazyharvest._interpreter.sites import (
+    Harvest,
+    RawKey,
+    contains_sites,
+    evaluation_order,
+    raw_key,
+)
 from lazyharvest.errors import HarvestError
 from lazyharvest.keys import PRIMAL, VJP, Label
 from lazyharvest.primitive import active_tags, is_masked, is_recomputed, sow_p
@@ -63,6 +69,40 @@ def _outer_duals(path: tuple) -> list[tuple]:
         return []
     return [path[:i] + (VJP,) + path[i + 1:] for i in levels
             if path[i] == PRIMAL and i < min(vjps)]
+
+
+def plant_order(jaxpr: _jax.Jaxpr, harvest: Harvest, key: RawKey) -> tuple | None:
+    """For a plant of `key` evaluated forward in an outer backward pass over
+    inner ones (`_outer_duals`), the row in program order of each occurrence,
+    by the index a run's cursor gives it; None where that is the cursor
+    order, or where it cannot be known before the run. The outer pass visits
+    the inner passes last first, each forward, and a pass ends at the
+    occurrences of the values it differentiated."""
+    path, scopes, name = key
+    if runs_backward(key) or sum(1 for level in path if level == VJP) < 2:
+        return None
+    events = evaluation_order(jaxpr, harvest, key, lambda k: (
+        k[1:] == (scopes, name) and path in _outer_duals(k[0])))
+    if events == [-2] or -1 not in events:
+        return None  # (in one construct only: taken as evaluated, docs/semantics.md)
+    if -2 in events:
+        raise HarvestError(
+            f"{harvest.where(key)}: a cotangent planted in a backward pass over "
+            f"several inner ones, some inside a lax.cond whose branches differ in "
+            f"them or a loop without a fixed trip count: which row each occurrence "
+            f"takes is not known before the run. Plant it in the inner backward "
+            f"pass (inside the jax.grad), or give every branch the same passes.")
+    passes: list[list[int]] = [[]]
+    for i in events:
+        if i >= 0:
+            passes[-1].append(i)
+        elif passes[-1]:
+            passes.append([])
+    rows = [i for p in reversed(passes) for i in p]
+    order = [0] * len(rows)
+    for row, i in enumerate(rows):
+        order[i] = row
+    return None if order == sorted(order) else tuple(order)
 
 
 def runs_backward(key: RawKey) -> bool:
@@ -177,10 +217,29 @@ class Plant:
     additive: bool  # a cotangent site: added where the reaped value was sown
     add: bool = False  # plant(mode="add"): added to the site at every sow
     count: int = 0
+    # per occurrence in the run's cursor order, its row in program order,
+    # where they differ (`plant_order`)
+    order: tuple | None = None
 
     def total(self) -> int:
         """How many occurrences the plant covers."""
         return self.count if self.mode != "append" else self.leaves[0].shape[0]
+
+    def last(self) -> int:
+        """The cursor index of the last occurrence in program order."""
+        n = self.total()
+        return self.order.index(n - 1) if self.order and n - 1 in self.order else n - 1
+
+    def within(self, start: int, n: int, n_it: int) -> tuple | None:
+        """`order` in one iteration of a scan taking occurrences `start` to
+        `start + n`, `n_it` per iteration, sliced in order (`_ScanPlants`):
+        only a clobber plant's last occurrence may still be out of place."""
+        pos = (self.last() - start) % n_it if self.order and n_it else n_it - 1
+        if self.mode == "append" or pos == n_it - 1:
+            return None
+        order = list(range(n_it))
+        order[pos], order[-1] = n_it - 1, pos
+        return tuple(order)
 
 
 EvalRule = Callable[..., list]
@@ -561,7 +620,10 @@ class Run:
         if plant is None:
             return vals
         done = self.cursor.get(key, 0)
-        row = self.backward_end(key, plant, done) - 1 if runs_backward(key) else done
+        if runs_backward(key):
+            row = self.backward_end(key, plant, done) - 1
+        else:
+            row = plant.order[done] if plant.order and done < len(plant.order) else done
         self.cursor[key] = done + 1
         if plant.mode == "append":
             how = Replay(row)

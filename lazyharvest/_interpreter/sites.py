@@ -133,6 +133,49 @@ def _count_eqn(e: _jax.JaxprEqn, harvest: Harvest) -> Counts:
     return counts
 
 
+def evaluation_order(jaxpr: _jax.Jaxpr, harvest: Harvest, key: RawKey,
+                     ends: Callable[[RawKey], bool]) -> list[int]:
+    """In evaluation order, the occurrences of site `key`, each as the index
+    a run's cursor gives it (a scan's iterations take theirs in operand
+    order, reverse or not), and as -1 those of the sites `ends` names; as
+    one -2, a construct holding some whose order depends on values (a while
+    loop, cond branches that differ)."""
+    events: list[int] = []
+    n = 0
+    for e in jaxpr.eqns:
+        sub = _eqn_order(e, harvest, key, ends)
+        events += [i + n if i >= 0 else i for i in sub]
+        n += sum(i >= 0 for i in sub)
+    return events
+
+
+def _eqn_order(e: _jax.JaxprEqn, harvest: Harvest, key: RawKey,
+               ends: Callable[[RawKey], bool]) -> list[int]:
+    p = e.params
+    if e.primitive is sow_p:
+        if not harvest.owns(p) or is_recomputed(p) or p.get("earlier"):
+            return []
+        k = raw_key(p)
+        if k == key:
+            return [0] if harvest.selects(p) else []
+        return [-1] if ends(k) else []
+    orders = [evaluation_order(j, harvest, key, ends) for j in sub_jaxprs(p)]
+    if not any(orders):
+        return []
+    if any(-2 in o for o in orders):
+        return [-2]
+    if e.primitive is _jax.scan_p:
+        body, its = orders[0], range(p["length"])
+        c = sum(i >= 0 for i in body)
+        return [i + t * c if i >= 0 else i
+                for t in (reversed(its) if p.get("reverse") else its) for i in body]
+    if e.primitive is _jax.cond_p:
+        return orders[0] if all(o == orders[0] for o in orders) else [-2]
+    if len(orders) == 1 and e.primitive not in COUNT_RULES:  # jit, remat, calls
+        return orders[0]
+    return [-2]
+
+
 def may_owe(jaxpr: _jax.Jaxpr, harvest: Harvest, key: RawKey) -> bool:
     """Whether the first occurrence of `key` that `jaxpr` evaluates may not
     sow it: a masked site, one in a cond some of whose branches do not (or in a scan
