@@ -169,9 +169,12 @@ def test_law5_vjp_strict_keys(pa):
 @slow
 @given(program_and_args(), st.integers(0, 2 ** 16))
 def test_law6_roundtrip(pa, seed):
-    # a random subset of the sites is planted; the others pass through
+    # a random subset of the sites is planted; the others pass through; new
+    # values planted there: the program written with them in place (p.plant),
+    # also differentiated
     p, args = pa
-    T.check_roundtrip(p.fn, *args, tag=p.tag, subset=seed)
+    T.check_roundtrip(p.fn, *args, tag=p.tag, subset=seed, planted=p.plant,
+                      forward=p.forward_differentiable, reverse=p.reverse_differentiable)
 
 
 @FEW
@@ -262,8 +265,10 @@ def test_law5_vjp_with_several_passes(pa, seed):
 @slow
 @given(program_and_args(include=PASSES), st.integers(0, 2 ** 16))
 def test_law6_roundtrip_with_several_passes(pa, seed):
+    # new values planted: the steps still differentiate through a planted site
     p, args = pa
-    T.check_roundtrip(p.fn, *args, tag=p.tag, subset=seed)
+    T.check_roundtrip(p.fn, *args, tag=p.tag, subset=seed, planted=p.plant,
+                      forward=p.forward_differentiable, reverse=p.reverse_differentiable)
 
 
 @FEWER

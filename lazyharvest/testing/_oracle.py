@@ -371,7 +371,11 @@ class Interpreter:
 
     def custom(self, st: Custom, env: list, ctx: Ctx, sites: dict) -> list:
         """``tanh(sow(sin(u) * w))``; with lazyharvest, under its custom rule
-        (the oracle needs no rule: JAX differentiates the plain function)."""
+        (the oracle needs no rule: JAX differentiates the plain function).
+        Planted, the oracle keeps the rule too: it stays in force for the
+        derivatives of the planted function, and the plant is a constant for
+        it (SPEC 9); the outputs are the planted function's, also under
+        differentiation (docs/semantics.md, section 12)."""
         w: Any = 1.0
         if st.kind == "vjp_closure":  # a module-level weight: both close over it
             w = closure_weight(st.closure, jnp.shape(env[st.src]))
@@ -380,9 +384,12 @@ class Interpreter:
         # cotangent JAX gives the plain function.
         recomputes = st.kind == "vjp_recompute"
 
-        def primal(u: Any) -> Any:
-            return jnp.tanh(self.site(st.name, jnp.sin(u) * w, st.mode, ctx, sites,
+        def sown(u: Any, record: dict) -> Any:  # (JAX's custom functions bind defaults)
+            return jnp.tanh(self.site(st.name, jnp.sin(u) * w, st.mode, ctx, record,
                                       under_rule=not recomputes))
+
+        def primal(u: Any) -> Any:
+            return sown(u, sites)
 
         def plain(u: Any) -> Any:
             return jnp.tanh(jnp.sin(u) * w)
@@ -390,23 +397,31 @@ class Interpreter:
         def derivative(u: Any) -> Any:  # d plain / du, elementwise
             return (1 - jnp.tanh(jnp.sin(u) * w) ** 2) * jnp.cos(u) * w
         if not self.lh:
-            return [primal(env[st.src])]
-        if st.kind == "jvp":
-            gj = jax.custom_jvp(primal)
-            gj.defjvp(lambda p, t: (plain(p[0]), derivative(p[0]) * t[0]))
-            return [gj(env[st.src])]
-        gv = jax.custom_vjp(primal)
-        if recomputes:
-            gv.defvjp(lambda u: (primal(u), u), lambda u, ct: jax.vjp(primal, u)[1](ct))
+            value = primal(env[st.src])  # (records the site outside any rule's trace)
+            if (*ctx.scopes, st.name) not in self.plants:
+                return [value]
+            fn = out = lambda u: sown(u, {})  # (the planted function's outputs)
         else:
-            gv.defvjp(lambda u: (plain(u), u), lambda u, ct: (derivative(u) * ct,))
+            fn, out = primal, plain  # (the user's rule)
+        if st.kind == "jvp":
+            gj = jax.custom_jvp(fn)
+            gj.defjvp(lambda p, t: (out(p[0]), derivative(p[0]) * t[0]))
+            return [gj(env[st.src])]
+        gv = jax.custom_vjp(fn)
+        if recomputes:
+            gv.defvjp(lambda u: (fn(u), u), lambda u, ct: jax.vjp(fn, u)[1](ct))
+        else:
+            gv.defvjp(lambda u: (out(u), u), lambda u, ct: (derivative(u) * ct,))
         return [gv(env[st.src])]
 
     def passes(self, st: Passes, env: list, ctx: Ctx, sites: dict) -> list:
         """Gradient steps, each a backward pass. The oracle unrolls them and
-        writes each step's cotangent at the site with ``jax.grad`` of the
-        loss in the site's value; a perturbation of that cotangent
-        (``eps[("vjp", *key)]``) is added to it, so it flows back into the step."""
+        writes each step's gradient by the chain rule: the cotangent at the
+        site (``jax.grad`` of the loss in the site's value), plus a
+        perturbation of it (``eps[("vjp", *key)]``), pulled back through the
+        site's own computation. A plant replaces the value the cotangent is
+        taken at; the step still differentiates through the site's
+        computation (docs/semantics.md, section 5)."""
         if self.lh:
             def loss(h: Any) -> Any:
                 return jnp.sum(jnp.tanh(lh.sow(jnp.sin(h) * 1.5, tag=self.prog.tag,
@@ -431,15 +446,12 @@ class Interpreter:
             sub = ctx.iteration(i, st.times, i == st.times - 1)
             ct_eps = self.occurrence_eps(ct_key, st.mode, sub) if ct_key in self.eps else 0.
 
-            def loss(h: Any, sub: Ctx = sub, ct_eps: Any = ct_eps) -> Any:
-                v = self.site(st.name, jnp.sin(h) * 1.5, st.mode, sub, {})
-                return jnp.sum(jnp.tanh(v)) + jnp.sum(ct_eps * v)
             local: dict = {}
             v = self.site(st.name, jnp.sin(h) * 1.5, st.mode, sub, local)
             ct = jax.grad(lambda u: jnp.sum(jnp.tanh(u)))(v)
             local[ct_key] = (st.mode, ct[None] if st.mode == "append" else ct)
             steps.append(local)
-            h = h - 0.25 * jax.grad(loss)(h)
+            h = h - 0.25 * jax.vjp(lambda h: jnp.sin(h) * 1.5, h)[1](ct + ct_eps)[0]
         for k in (key, ct_key):
             rows = [s[k][1] for s in steps]
             sites[k] = (st.mode, jnp.concatenate(rows) if st.mode == "append" else rows[-1])

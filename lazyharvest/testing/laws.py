@@ -273,7 +273,8 @@ def check_vjp(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
 
 def check_roundtrip(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
                     atol: float = ATOL, keys: Iterable[Any] | None = None,
-                    subset: int | None = None) -> None:
+                    subset: int | None = None, planted: Callable | None = None,
+                    forward: bool = True, reverse: bool = True) -> None:
     """Law 6: ``plant(f)(reap(f)(x), x) == f(x)``, and harvest keeps the rest.
 
     Plants the reaped values of ``keys`` (default: every key except
@@ -282,6 +283,13 @@ def check_roundtrip(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     non-empty subset of those, the others passing through. Also checks that
     ``harvest(f)(half, x)`` returns ``f(x)`` and reaps every other key with
     its value.
+
+    With ``planted(plants, *args)`` (``f`` with ``plants`` written in place
+    of its sites, in JAX alone, its custom rules kept) random plants at the
+    same keys: ``plant(f)(plants, x)`` equals it, and so do its JVP
+    (``forward``) and VJP (``reverse``) with respect to ``x``: a planted
+    value is a constant of the program, also for a custom rule that
+    differentiates it (SPEC 9, "Plants and custom rules").
     """
     law = _law(6)
     values = guard(law, lambda: reaped(f, tag, args))
@@ -300,6 +308,29 @@ def check_roundtrip(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
     rest = {k: v for k, v in values.items() if k not in half}
     compare_dicts(_law(6, "harvest reaps the unplanted sites"),
                   guard(law, lambda: flat(d)), rest, rtol, atol)
+    if planted is not None and keys:
+        plants = {k: random_like(values[k], 60 + i) for i, k in enumerate(keys)}
+        _check_planted_program(f, args, tag, plants, planted, forward, reverse, rtol, atol)
+
+
+def _check_planted_program(f: Callable, args: Sequence[Any], tag: Hashable,
+                           plants: Mapping[Key, Any], planted: Callable, forward: bool,
+                           reverse: bool, rtol: float, atol: float) -> None:
+    """Law 6 with new values: ``plant(f)(plants, .)`` against ``planted(plants, .)``,
+    as a function and under ``jax.jvp`` / ``jax.vjp`` in the inputs."""
+    ours = lambda *a: lh.plant(f, tag=tag)(plants, *a)  # noqa: E731
+    theirs = lambda *a: planted(plants, *a)  # noqa: E731
+    law = _law(6, "new values planted")
+    compare(law, None, guard(law, lambda: ours(*args)), guard(law, lambda: theirs(*args)),
+            rtol, atol)
+    if forward:
+        law, t = _law(6, "jvp of the planted program"), random_like(args, 9)
+        compare(law, None, guard(law, lambda: jax.jvp(ours, args, t)[1]),
+                guard(law, lambda: jax.jvp(theirs, args, t)[1]), rtol, atol)
+    if reverse:
+        law, ct = _law(6, "vjp of the planted program"), random_like(jax.eval_shape(f, *args), 10)
+        compare(law, None, guard(law, lambda: jax.vjp(ours, *args)[1](ct)),
+                guard(law, lambda: jax.vjp(theirs, *args)[1](ct)), rtol, atol)
 
 
 def check_compute(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
