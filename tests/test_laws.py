@@ -1009,3 +1009,30 @@ def test_regression_jit_around_transform_around_jit():
         stack = T.Stack((T.Transform("jit"), middle, T.Transform("jit")))
         x = jnp.array([1., 2.]) if middle.kind == "grad" else jnp.ones((2, 3))
         T.check_lazy(f, x, tag="t", slices={"x3": lambda x: x ** 3}, stack=stack)
+
+
+def _planted_rule_programs():
+    scoped = Scope(scope="b0", body=(Custom(4, "s0", "append", "vjp", 4),))
+    with_clobber = (Custom(2, "s0", "append", "jvp", 4), Sow("s1", (5,), "clobber"))
+    return {
+        "custom_vjp_in_a_scan": Program(
+            body=(Scan(carry=2, xs=1, body=(scoped,)),), output=Output("scalar", (4,)),
+            tree_input=True),
+        "custom_jvp_in_a_scan": Program(
+            body=(Scan(carry=2, xs=1, body=with_clobber),), output=Output("scalar", (4,)),
+            tree_input=True),
+        "recomputing_rule": Program(
+            body=(Op("cos", 0), Custom(1, "s0", "strict", "vjp_recompute", 1)),
+            output=Output("scalar", (2,))),
+    }
+
+
+@pytest.mark.parametrize("which", sorted(_planted_rule_programs()))
+def test_law6_differentiates_plants_under_custom_rules(which):
+    # Programs law 6's planted check found: a gradient through a recomputing
+    # rule where the planted program's is zero (issue item "plants under
+    # custom rules", before its fix), and the oracle's planted rule in a
+    # scan, which must take the planted outputs as an operand.
+    p = _planted_rule_programs()[which]
+    T.check_roundtrip(p.fn, *p.example_args(0), tag=p.tag, subset=0, planted=p.plant,
+                      forward=p.forward_differentiable, reverse=p.reverse_differentiable)

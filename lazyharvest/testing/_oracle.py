@@ -31,6 +31,24 @@ def closure_weight(seed: int, shape: tuple) -> Any:
         np.float32)
 
 
+def _with_rule(kind: str, fn: Callable, out: Callable, derivative: Callable, u: Any,
+               c: Any) -> Any:
+    """``fn(u, c)`` under the custom rule of ``kind``: its outputs ``out(u, c)``
+    and ``derivative(u)`` for ``u`` (``"vjp_recompute"``: the rule
+    differentiates ``fn`` again); ``c`` is a constant for the rule."""
+    if kind == "jvp":
+        gj = jax.custom_jvp(fn)
+        gj.defjvp(lambda p, t: (out(*p), derivative(p[0]) * t[0]))
+        return gj(u, c)
+    gv = jax.custom_vjp(fn)
+    if kind == "vjp_recompute":
+        gv.defvjp(lambda u, c: (fn(u, c), (u, c)), lambda r, ct: jax.vjp(fn, *r)[1](ct))
+    else:
+        gv.defvjp(lambda u, c: (out(u, c), (u, c)), lambda r, ct: (
+            derivative(r[0]) * ct, jax.tree_util.tree_map(jnp.zeros_like, r[1])))
+    return gv(u, c)
+
+
 class Description(Protocol):
     """What the interpreter reads of a ``Program``."""
 
@@ -396,23 +414,16 @@ class Interpreter:
 
         def derivative(u: Any) -> Any:  # d plain / du, elementwise
             return (1 - jnp.tanh(jnp.sin(u) * w) ** 2) * jnp.cos(u) * w
-        if not self.lh:
-            value = primal(env[st.src])  # (records the site outside any rule's trace)
-            if (*ctx.scopes, st.name) not in self.plants:
-                return [value]
-            fn = out = lambda u: sown(u, {})  # (the planted function's outputs)
-        else:
-            fn, out = primal, plain  # (the user's rule)
-        if st.kind == "jvp":
-            gj = jax.custom_jvp(fn)
-            gj.defjvp(lambda p, t: (out(p[0]), derivative(p[0]) * t[0]))
-            return [gj(env[st.src])]
-        gv = jax.custom_vjp(fn)
-        if recomputes:
-            gv.defvjp(lambda u: (fn(u), u), lambda u, ct: jax.vjp(fn, u)[1](ct))
-        else:
-            gv.defvjp(lambda u: (out(u), u), lambda u, ct: (derivative(u) * ct,))
-        return [gv(env[st.src])]
+        u = env[st.src]
+        if self.lh:
+            return [_with_rule(st.kind, lambda u, _: primal(u), lambda u, _: plain(u),
+                               derivative, u, ())]
+        value = primal(u)  # (records the site outside any rule's trace)
+        if (*ctx.scopes, st.name) not in self.plants:
+            return [value]
+        # The planted function's outputs do not depend on ``u``; they are an
+        # operand, as a custom function may not close over a loop's tracers.
+        return [_with_rule(st.kind, lambda u, c: c, lambda u, c: c, derivative, u, value)]
 
     def passes(self, st: Passes, env: list, ctx: Ctx, sites: dict) -> list:
         """Gradient steps, each a backward pass. The oracle unrolls them and
