@@ -139,7 +139,11 @@ def evaluation_order(jaxpr: _jax.Jaxpr, harvest: Harvest, key: RawKey,
     a run's cursor gives it (a scan's iterations take theirs in operand
     order, reverse or not), and as -1 those of the sites `ends` names; as
     one -2, a construct holding some whose order depends on values (a while
-    loop, cond branches that differ)."""
+    loop, cond branches that differ). A scan's iterations are listed from
+    the highest index down, whichever way it runs: `plant_order` reverses
+    the passes of the backward function's jaxpr into program order, which
+    for a scan is by iteration index (docs/semantics.md, section 3), also
+    when the scan is the transpose of a `reverse=True` one and runs forward."""
     events: list[int] = []
     n = 0
     for e in jaxpr.eqns:
@@ -167,8 +171,7 @@ def _eqn_order(e: _jax.JaxprEqn, harvest: Harvest, key: RawKey,
     if e.primitive is _jax.scan_p:
         body, its = orders[0], range(p["length"])
         c = sum(i >= 0 for i in body)
-        return [i + t * c if i >= 0 else i
-                for t in (reversed(its) if p.get("reverse") else its) for i in body]
+        return [i + t * c if i >= 0 else i for t in reversed(its) for i in body]
     if e.primitive is _jax.cond_p:
         return orders[0] if all(o == orders[0] for o in orders) else [-2]
     if len(orders) == 1 and e.primitive not in COUNT_RULES:  # jit, remat, calls
