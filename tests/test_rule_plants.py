@@ -144,3 +144,41 @@ def test_regression_reverse_mode_of_a_plant_in_a_rule_in_a_scan_after_another_pa
     close(g_x, jax.grad(f)(x))
     got = jax.vmap(jax.grad(planted), (0, None))(jnp.stack([value, value]), x)
     close(got, jnp.zeros((2,) + value.shape))
+
+
+def _recomputing_layer(sow):
+    """`u -> tanh(sow(sin(u))) * u` whose backward rule re-runs it (a
+    checkpointing rule), site included."""
+    prim = lambda u: jnp.tanh(sow(jnp.sin(u))) * u  # noqa: E731
+    rule = jax.custom_vjp(prim)
+    rule.defvjp(lambda u: (prim(u), u), lambda u, ct: jax.vjp(prim, u)[1](ct))
+    return rule
+
+
+@pytest.mark.parametrize("loop", ["python", "scan"])
+def test_regression_an_append_plant_reaches_a_recomputing_rule_row_by_row(loop):
+    # (the wide law-6 run) an append site sown once per call of a recomputing
+    # rule, the call repeated: the rule re-ran the body with the site's own
+    # value (append plants were not applied inside rules), so the gradient
+    # was neither the planted program's nor zero where that is zero
+    layer = _recomputing_layer(lambda v: lh.sow(v, tag="t", name="s", mode="append"))
+
+    def f(x, layer=layer):
+        if loop == "python":
+            for _ in range(3):
+                x = layer(x) * 0.9 + 0.1
+            return jnp.sum(x ** 2)
+        step = lambda h, _: (layer(h) * 0.9 + 0.1, None)  # noqa: E731
+        return jnp.sum(jax.lax.scan(step, x, None, length=3)[0] ** 2)
+
+    def planted(x, rows):  # the program with row i in place of occurrence i
+        for r in rows:
+            x = jnp.tanh(r) * x * 0.9 + 0.1
+        return jnp.sum(x ** 2)
+
+    x = jnp.array([0.3, -0.5, 0.8])
+    rows = jnp.array([[0.2, 0.4, -0.1], [0.5, -0.3, 0.9], [-0.7, 0.1, 0.3]])
+    got = jax.grad(lambda x, p: lh.plant(f, tag="t")({"s": p}, x), argnums=(0, 1))(x, rows)
+    want = jax.grad(planted, argnums=(0, 1))(x, rows)
+    close(got[0], want[0], atol=1e-5)
+    close(got[1], want[1], atol=1e-5)  # the cotangent the rule gives each row

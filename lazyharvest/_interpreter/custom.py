@@ -480,6 +480,42 @@ def _remat_opt(run: Run, eqn: _jax.JaxprEqn, invals: list, *, fwd_jaxpr, **_) ->
 EVAL_RULES[_jax.remat_opt_p] = _remat_opt
 
 
+def _rule_plants(run: Run, ops: PlantOperands, counts: dict, start: dict) -> tuple:
+    """For a planted custom call: `in_rule(plant leaves, collect)`, the block
+    in which the user's rules sow the planted values, and
+    `plant_cotangents(collected, plant leaves)`, each plant's cotangent."""
+    # An append site the call sows once takes one row of its plant (the
+    # cursor's: the row of this occurrence); sown several times in the call,
+    # its rows cannot be told apart where the rule sows it (docs/semantics.md)
+    rows = {k: start.get(k, 0) if run.plants[k].mode == "append" else None for k in ops.keys}
+    in_rules = [k for k in ops.keys if not k[0] and not run.plants[k].additive
+                and (rows[k] is None or counts[k] == 1)]
+
+    def in_rule(leaves: Sequence[Any], collect: bool = False) -> Any:
+        # the user's rules, run by JAX on the planted program, sow the planted
+        # values: what they differentiate or recompute is the planted program
+        plants = ops.plants(run.plants, leaves)
+        return planting({(run.harvest.tag, k[1], k[2]): (
+            plants[k].leaves if rows[k] is None else [x[rows[k]] for x in plants[k].leaves],
+            plants[k].add) for k in in_rules}, collect)
+
+    def plant_cotangents(collected: dict, leaves: Sequence[Any]) -> list:
+        # A plant's cotangent is the one the rule's own differentiation gives
+        # the site it replaces (a rule that recomputes the site); none where
+        # the rule does not differentiate it.
+        out: list = []
+        for k, plant in zip(ops.keys, split_list(list(leaves), ops.sizes)):
+            cts = collected_cotangents(collected.get((run.harvest.tag, k[1], k[2])) or [])
+            if cts is None:
+                out += [None] * len(plant)
+                continue
+            cts = [c.astype(jnp.result_type(x)) for c, x in zip(cts, plant)]
+            out += cts if rows[k] is None else [
+                jnp.zeros(jnp.shape(x), c.dtype).at[rows[k]].set(c) for c, x in zip(cts, plant)]
+        return out
+    return in_rule, plant_cotangents
+
+
 def _custom_planted(run: Run, eqn: _jax.JaxprEqn, invals: list,
                     closed: _jax.ClosedJaxpr) -> list:
     """A custom_jvp/vjp call with plants inside its primal function.
@@ -512,24 +548,7 @@ def _custom_planted(run: Run, eqn: _jax.JaxprEqn, invals: list,
     # differentiate.
     n_c = eqn.params.get("num_consts", 0)
 
-    def in_rule(leaves: Sequence[Any], collect: bool = False) -> Any:
-        # the user's rules, run by JAX on the planted program, sow the planted
-        # values: what they differentiate or recompute is the planted program
-        plants = ops.plants(run.plants, leaves)
-        return planting({(run.harvest.tag, k[1], k[2]): (plants[k].leaves, plants[k].add)
-                         for k in ops.keys if not k[0] and plants[k].mode != "append"
-                         and not plants[k].additive}, collect)
-
-    def plant_cotangents(collected: dict, leaves: Sequence[Any]) -> list:
-        # A plant's cotangent is the one the rule's own differentiation gives
-        # the site it replaces (a rule that recomputes the site); none where
-        # the rule does not differentiate it.
-        out: list = []
-        for k, plant in zip(ops.keys, split_list(list(leaves), ops.sizes)):
-            cts = collected_cotangents(collected.get((run.harvest.tag, k[1], k[2])) or [])
-            out += ([None] * len(plant) if cts is None
-                    else [c.astype(jnp.result_type(x)) for c, x in zip(cts, plant)])
-        return out
+    in_rule, plant_cotangents = _rule_plants(run, ops, counts, start)
     if eqn.primitive is _jax.custom_jvp_call_p:
         fun = _with_jvp_of(original, primal, n_c, n_in, in_rule)
     else:
