@@ -9,6 +9,7 @@ is plain JAX: the loop written out, a zero `eps` added at each occurrence.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -214,10 +215,18 @@ def test_diffrax_default_adjoint_value_and_cotangent_are_the_last_forward_evalua
 
     def vf(t, y, th):
         return lh.sow(-y * th, tag="ode", name="h", mode="clobber")
+    def logged(t, y, th):  # plain JAX: every evaluation, in the order it runs
+        v = -y * th
+        jax.debug.callback(lambda v: log.append(np.asarray(v)), v, ordered=True)
+        return v
     for solver in (diffrax.Tsit5(), diffrax.Euler()):
         d = lh.reap(jax.grad(lambda th: solve(vf, th, solver)), tag="ode")(0.7)
         assert set(d.keys()) == {"h", ("vjp", "h")}
         close(d["h"], lh.reap(lambda th: solve(vf, th, solver), tag="ode")(0.7)["h"])
+        log: list = []
+        jax.block_until_ready(solve(logged, 0.7, solver))
+        jax.effects_barrier()
+        close(d["h"], log[-1])  # the last forward evaluation (t = 1 for Tsit5)
     # Euler: the last evaluation is at t = 0.9, and feeds y(1)
     def perturbed(th, e):
         def vf(t, y, th):
