@@ -362,6 +362,27 @@ def test_regression_planting_an_inner_cotangent_into_the_outer_backward_function
     close(got[0], vjp((jnp.float32(1.0), c))[0])
 
 
+def _steps_in_a_scan(reverse, mode, sow=True, length=3, steps=2):
+    """A scan whose body runs `steps` of `_grad_steps`' step; returns the
+    output and (plain JAX) the cotangent each step gives the site, by
+    iteration index then step."""
+    def loss(h):
+        v = jnp.sin(h) * 1.5
+        return jnp.sum(jnp.tanh(lh.sow(v, tag="t", name="s", mode=mode) if sow else v))
+
+    def body(h, _):
+        cts = []
+        for _ in range(steps):
+            cts.append(jax.grad(lambda u: jnp.sum(jnp.tanh(u)))(jnp.sin(h) * 1.5))
+            h = h - 0.25 * jax.grad(loss)(h)
+        return h, jnp.stack(cts)
+
+    def f(x):
+        h, cts = lax.scan(body, x, None, length=length, reverse=reverse)
+        return jnp.sum(h ** 2), cts.reshape(length * steps, *x.shape)
+    return f
+
+
 @pytest.mark.parametrize("mode", ["append", "clobber"])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_regression_planting_an_inner_cotangent_in_a_reverse_scan_of_grad_steps(reverse, mode):
@@ -370,35 +391,15 @@ def test_regression_planting_an_inner_cotangent_in_a_reverse_scan_of_grad_steps(
     # iteration index (as the values'), and a plant at ("vjp", "s") in the
     # outer backward function took them iteration by iteration in the order
     # the scan runs (its transpose runs forward)
-    length, steps = 3, 2
-    inner = lambda s: jnp.sum(jnp.tanh(s))  # noqa: E731  (the loss of the site)
-
-    def f(x, c=None):  # c: the plain program, with <c_row, d inner / d site> added
-        sow = (lambda s: lh.sow(s, tag="t", name="s", mode=mode)) if c is None else None
-
-        def body(h, inp):
-            xi, rows = inp
-            h, extra = h * xi, 0.
-            for j in range(steps):
-                if sow is None:
-                    extra = extra + jnp.vdot(rows[j], jax.grad(inner)(jnp.sin(h) * 1.5))
-                    h = h - 0.25 * jax.grad(lambda h: inner(jnp.sin(h) * 1.5))(h)
-                else:
-                    h = h - 0.25 * jax.grad(lambda h: inner(sow(jnp.sin(h) * 1.5)))(h)
-            return h, extra
-        rows = jnp.zeros((length, steps, 3)) if c is None else c
-        h, extras = lax.scan(body, x, (jnp.arange(1., length + 1), rows), reverse=reverse)
-        return jnp.sum(h ** 2) + jnp.sum(extras)
-
     x = jnp.array([0.3, -0.6, 0.9])
-    c = jnp.asarray(np.random.RandomState(1).randn(length * steps, 3), jnp.float32)
-    if mode == "append":
-        rows = c.reshape(length, steps, 3)
-    else:  # added at the reaped occurrence: the highest index's last step
-        c = c[0]
-        rows = jnp.zeros((length, steps, 3)).at[length - 1, steps - 1].set(c)
+    f = lambda x: _steps_in_a_scan(reverse, mode)(x)[0]  # noqa: E731
+    _, vjp = jax.vjp(_steps_in_a_scan(reverse, mode, sow=False), x)
+    rows = jnp.asarray(np.random.RandomState(1).randn(6, 3), jnp.float32)
+    c = rows if mode == "append" else rows[-1]
+    if mode == "clobber":  # added at the reaped occurrence: the highest index's last step
+        rows = jnp.zeros_like(rows).at[-1].set(c)
     got = lh.plant(jax.vjp(f, x)[1], tag="t")({("vjp", "s"): c}, 1.0)
-    close(got[0], jax.grad(f)(x, rows))
+    close(got[0], vjp((jnp.float32(1.0), rows))[0])
 
 
 def _grad_step_in_a_cond(after_another):

@@ -505,7 +505,9 @@ def _rule_plants(run: Run, ops: PlantOperands, counts: dict, start: dict) -> tup
         # the rule does not differentiate it.
         out: list = []
         for k, plant in zip(ops.keys, split_list(list(leaves), ops.sizes)):
-            cts = collected_cotangents(collected.get((run.harvest.tag, k[1], k[2])) or [])
+            # (only a plant the rule sows has a cotangent of its own there)
+            cts = collected_cotangents(collected.get((run.harvest.tag, k[1], k[2])) or []
+                                       if k in in_rules else [])
             if cts is None:
                 out += [None] * len(plant)
                 continue
