@@ -154,8 +154,8 @@ def _stats(a: np.ndarray, inexact: bool) -> Stats:
     finite = np.isfinite(v)
     fin = v if finite.all() else v[finite]
     nan = float("nan")
-    mean, std, lo, hi = ((float(fin.mean()), float(fin.std()), float(fin.min()),
-                          float(fin.max())) if fin.size else (nan,) * 4)
+    mean, std, lo, hi = ((float(fin.mean()), float(fin.std()), float(np.min(fin)),
+                          float(np.max(fin))) if fin.size else (nan,) * 4)
     return Stats(
         size=int(v.size), mean=mean, std=std, min=lo, max=hi,
         l2=float(np.sqrt(np.sum(v * v))) if inexact else None,

@@ -162,7 +162,7 @@ def attention_grid(value: Any, path: str | os.PathLike | None = None, *, batch: 
     fig = Figure(figsize=(1.6 * len(cols) + 1.2, 1.6 * len(rows) + 0.6),
                  layout="constrained")
     axes = fig.subplots(len(rows), len(cols), squeeze=False)
-    lo, hi = float(a[rows][:, cols].min()), float(a[rows][:, cols].max())
+    lo, hi = float(np.min(a[rows][:, cols])), float(np.max(a[rows][:, cols]))
     for i, layer in enumerate(rows):
         for j, head in enumerate(cols):
             im = axes[i, j].imshow(a[layer, head], cmap=cmap, vmin=lo, vmax=hi,

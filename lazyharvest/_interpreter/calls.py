@@ -8,6 +8,9 @@ own are evaluated in place.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import jax
 
 from lazyharvest import _jax
@@ -37,6 +40,7 @@ EVAL_RULES[_jax.jit_p] = _jit
 
 
 def _call(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call_jaxpr, **_) -> list:
+    consts: Sequence[Any]
     if isinstance(call_jaxpr, _jax.ClosedJaxpr):
         jaxpr, consts = call_jaxpr.jaxpr, call_jaxpr.consts
     else:

@@ -128,7 +128,8 @@ class Sow:
 
     def constant(self) -> np.ndarray:
         """The constant sown when ``const`` is set: uniform in [-1, 1), from ``seed``."""
-        return (np.random.RandomState(self.seed).uniform(-1, 1, self.const)).astype(np.float32)
+        return np.asarray(np.random.RandomState(self.seed).uniform(-1, 1, self.const),
+                          dtype=np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
