@@ -166,8 +166,22 @@ def call_fresh(fun: Any, *args: Any) -> Any:
 # JAX's transformation of a custom_vjp call's backward function when it binds
 # the call again from a jaxpr (`get_bind_params`): the values the function
 # closed over become ordinary operands of the new call, given zero cotangents.
-_HANDLE_CONSTS = getattr(getattr(_custom_derivatives, "_handle_consts_in_bwd", None),
-                         "args", (None,))[0]
+# jax <= 0.12.0: `_handle_consts_in_bwd`, a `lu.transformation2` (a partial of
+# its generator) given the closed-over values' avals. jax 0.12.1: a function
+# that prepends a `Zero` per closed-over value with `prepend_input_cts`, which
+# is the transformation `_prepend_input_cts` given the cotangents, or, for a
+# rule taking accumulators, a `_PrependCtsBwdWithAccums` (`.cts`, and the rule
+# it wraps as `.bwd`). Only the `Zero`s count: checkify prepends `None`s with
+# the same function, which it did with a closure over `bwd` before (not
+# counted there either).
+def _generator(transformation: Any) -> Any:
+    """The generator of a `lu.transformation2` (a partial), or None."""
+    return getattr(transformation, "args", (None,))[0]
+
+
+_HANDLE_CONSTS = _generator(getattr(_custom_derivatives, "_handle_consts_in_bwd", None))
+_PREPEND_CTS = _generator(getattr(_custom_derivatives, "_prepend_input_cts", None))
+_PREPEND_CTS_WITH_ACCUMS = getattr(_custom_derivatives, "_PrependCtsBwdWithAccums", ())
 
 
 def closed_over_operands(params: dict) -> int:
@@ -179,16 +193,31 @@ def closed_over_operands(params: dict) -> int:
     n = params.get("num_consts", 0)
     bwd = params.get("bwd")
     while bwd is not None:
-        n += sum(len(a[0]) for g, a in getattr(bwd, "transforms", ())
-                 if g is _HANDLE_CONSTS and a)
+        if isinstance(bwd, _PREPEND_CTS_WITH_ACCUMS):  # (not a wrapped function)
+            n += _zeros(bwd.cts)
+            bwd = _wrapped_bwd(bwd.bwd)
+            continue
+        for generator, args in getattr(bwd, "transforms", ()):
+            if generator is _HANDLE_CONSTS and args:
+                n += len(args[0])
+            elif generator is _PREPEND_CTS and args:
+                n += _zeros(args[0])
         bwd = _wrapped_bwd(getattr(bwd, "f", None))
     return n
 
 
+def _zeros(cts: Sequence[Any]) -> int:
+    return sum(isinstance(ct, Zero) for ct in cts)
+
+
 def _wrapped_bwd(f: Any) -> Any:
-    """The backward function that `f` calls: the one it wraps (`wrapped_like`),
-    or, for a closure JAX made around one (the DCE of a custom_vjp call wraps
-    its backward function), its free variable `bwd`."""
+    """The backward function that `f` calls: `f` itself where it is JAX's
+    wrapper of a rule taking accumulators that prepends cotangents (jax
+    0.12.1), the one it wraps (`wrapped_like`), or, for a closure JAX made
+    around one (the DCE of a custom_vjp call wraps its backward function),
+    its free variable `bwd`."""
+    if isinstance(f, _PREPEND_CTS_WITH_ACCUMS):
+        return f
     inner = getattr(f, "_wraps", None)
     if inner is not None:
         return inner

@@ -643,9 +643,11 @@ def test_a_custom_vjp_call_bound_again_keeps_count_of_its_closed_over_values():
     """lazyharvest assumes that binding a custom_vjp call again from a jaxpr
     (`get_bind_params`) wraps its backward function with JAX's
     `_handle_consts_in_bwd` transformation, given the closed-over values'
-    avals, and that JAX's DCE of the call wraps the backward function in a
-    closure over `bwd` (differentiation.closed_over_operands): the
-    closed-over values are then ordinary operands of the new call."""
+    avals (jax <= 0.12.0), or with the `_prepend_input_cts` transformation,
+    given a `Zero` per closed-over value (jax 0.12.1), and that JAX's DCE of
+    the call wraps the backward function in a closure over `bwd`
+    (differentiation.closed_over_operands): the closed-over values are then
+    ordinary operands of the new call."""
     w = jnp.array([1.2, 0.7])
     g = jax.custom_vjp(lambda u: (jnp.sin(u) * w, u))
     g.defvjp(lambda u: (g(u), u), lambda u, ct: (jnp.cos(u) * w * ct[0] + ct[1],))
@@ -667,3 +669,41 @@ def test_a_custom_vjp_call_bound_again_keeps_count_of_its_closed_over_values():
         f"jax {V}: JAX's DCE no longer wraps the backward function")
     assert layer.closed_over_operands(params) == 1, (
         f"jax {V}: the DCE'd call's backward function hides them")
+
+
+@pytest.mark.skipif(not hasattr(jax.custom_vjp(lambda u: u), "defvjp_with_accums"),
+                    reason=f"jax {V} has no custom_vjp.defvjp_with_accums")
+def test_a_custom_vjp_call_with_accumulators_bound_again_keeps_count_of_its_closed_over_values():
+    """lazyharvest assumes that binding again a custom_vjp call whose rule
+    takes gradient accumulators (`defvjp_with_accums`) records its
+    closed-over values as `test_a_custom_vjp_call_bound_again_...` does: with
+    `_handle_consts_in_bwd` (jax <= 0.12.0), or, as the backward function
+    itself, a `_PrependCtsBwdWithAccums` holding a `Zero` per closed-over
+    value (jax 0.12.1), also under JAX's DCE of the call
+    (differentiation.closed_over_operands)."""
+    w = jnp.array([1.2, 0.7])
+    g = jax.custom_vjp(lambda u: (jnp.sin(u) * w, u))
+
+    def bwd(u, ct, acc):
+        acc.accum(jnp.cos(u) * w * ct[0] + ct[1])
+    g.defvjp_with_accums(lambda u: (g(u), u), bwd)
+
+    def call(jaxpr):
+        return next(e for e in jaxpr.eqns if e.primitive is layer_core.custom_vjp_call_p)
+    first = jax.make_jaxpr(g)(jnp.ones(2))
+    assert call(first.jaxpr).params["num_consts"] == 1, (
+        f"jax {V}: the closed-over array is not a const of the call")
+    again = jax.make_jaxpr(lambda u: layer_core.eval_jaxpr(first.jaxpr, first.consts, u))(
+        jnp.ones(2))
+    params = call(again.jaxpr).params
+    assert params["num_consts"] == 0, f"jax {V}: the rebound call kept its consts"
+    assert layer.closed_over_operands(params) == 1, (
+        f"jax {V}: the rebound call's backward function (with accumulators: "
+        f"{params['bwd'].f!r}) does not record them")
+    dced, _ = layer_pe.dce(again.jaxpr, [True, False])
+    assert layer.closed_over_operands(call(dced).params) == 1, (
+        f"jax {V}: the DCE'd call's backward function hides them")
+    # (and the rebound call still differentiates, through its backward function)
+    rebound = jax.grad(lambda u: layer_core.eval_jaxpr(
+        again.jaxpr, again.consts, u)[0].sum())(jnp.array([0.3, 0.9]))
+    close(rebound, jnp.cos(jnp.array([0.3, 0.9])) * w)
