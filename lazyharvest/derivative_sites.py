@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import weakref
 
+import jax.numpy as jnp
+
 from lazyharvest import _jax
 from lazyharvest.keys import JVP, PRIMAL, VJP
 from lazyharvest.primitive import (
@@ -25,11 +27,13 @@ from lazyharvest.primitive import (
     collect,
     collects,
     count_sow,
+    given_a_zero_tangent,
     is_masked,
     planted_value,
     sow_effect,
     sow_p,
     sub_jaxprs,
+    tangent_params,
 )
 
 __all__: list[str] = []
@@ -52,7 +56,8 @@ def _linearize(is_vjp, nonzeros, *primals, path, **params):
         n = len(tangents) - len(residuals)
         tangents = [_jax.ad.instantiate_zeros(t) for t in tangents[:n]]
         with _jax.keep_staged(_holds_tangent_sites):
-            outs_t = sow_p.bind(*tangents, *residuals, path=path + (JVP,), **params)
+            outs_t = sow_p.bind(*tangents, *residuals, path=path + (JVP,),
+                                **tangent_params(params))
         return [*outs_t[:n], *(_jax.Zero(m.aval.to_tangent_aval()) for m in residuals)]
     return outs, [True] * (len(outs) - masked) + [False] * masked, mask, linearized
 
@@ -227,10 +232,47 @@ def _make_body_bind(default):
         found = _forget(trace, params)
         in_loops = _sown_keys(params, only_in_loops=True) if found else set()
         _copy_earlier(trace, args, [f for f in found if _site_key(f[0]) in in_loops])
+        given = False
         if kind is not None:
-            args = _differentiated(trace, kind, args, avals, params)
-        return default(trace, args, avals, params)
+            given_args = _differentiated(trace, kind, args, avals, params)
+            given, args = given_args is not args, given_args
+        with given_a_zero_tangent(given):
+            return default(trace, args, avals, params)
     return bind_with_trace
+
+
+# --- the zero given to a construct inside jax.checkpoint, for reverse mode -------
+# jax.checkpoint differentiates its body with jvp, then splits the jvp into a
+# forward part and a linear part by what depends on its tangent inputs. A zero
+# tangent made by `zeros_tangent` depends on none: the construct's tangent
+# half (and its tangent sites) would land in the forward part, where no
+# cotangent reaches them. This zero is made by its own primitive, which the
+# split puts in the linear part (an unknown, as a tangent input is), and
+# whose transpose-time partial evaluation reads it from a fresh reference (a
+# value the backward pass treats as linear): the construct's tangent half is
+# then split and transposed like one fed a real tangent.
+
+given_zero_p = _jax.Primitive("given_zero_tangent")
+
+
+def _zeros(*, shape, dtype):
+    return jnp.zeros(shape, dtype)
+
+
+def _given_zero(aval):
+    aval = aval.to_tangent_aval()
+    return given_zero_p.bind(shape=aval.shape, dtype=aval.dtype)
+
+
+given_zero_p.def_impl(_zeros)
+given_zero_p.def_abstract_eval(lambda *, shape, dtype: _jax.ShapedArray(shape, dtype))
+_jax.mlir.register_lowering(given_zero_p, _jax.mlir.lower_fun(_zeros, multiple_results=False))
+_jax.ad.primitive_jvps[given_zero_p] = lambda primals, tangents, **params: (
+    given_zero_p.bind(**params), _jax.Zero(_jax.ShapedArray(params["shape"], params["dtype"])))
+_jax.register_remat_rule(given_zero_p, lambda saveable, unks_in, inst_in, eqn: (
+    None, eqn, [True], [True], []))
+_jax.register_partial_eval_rule(given_zero_p, lambda previous: lambda trace, **params: (
+    _jax.linear_unknown(trace, _zeros(**params))))
 
 
 def _differentiated(trace, kind: str, args, avals, params: dict):
@@ -256,7 +298,9 @@ def _differentiated(trace, kind: str, args, avals, params: dict):
         i = max(floats, key=lambda i: (reached[i], -i))
         if reached[i] >= 0:
             args = list(args)
-            args[i] = _jax.with_zero_tangent(trace, args[i], linear=kind == "vjp")
+            args[i] = _jax.with_zero_tangent(
+                trace, args[i], linear=kind == "vjp",
+                zeros=_given_zero if _jax.splitting_checkpoint() else _jax.zeros_tangent)
     return args
 
 
@@ -272,7 +316,7 @@ def _rule_operand(params: dict, i: int) -> float:
             _reached(b.jaxpr, {b.jaxpr.invars[i - 1]}) for b in params["branches"])
     if "jaxpr" not in params:  # a while loop: any input of its bodies
         return min((_reached(j, set(j.invars)) for j in sub_jaxprs(params)), default=_NO_RULE)
-    body = params["jaxpr"].jaxpr
+    body = next(sub_jaxprs({"jaxpr": params["jaxpr"]}))  # (remat's is open)
     return _reached(body, {body.invars[i]})
 
 
@@ -468,3 +512,4 @@ for _prim in (_jax.jit_p, _jax.scan_p, _jax.cond_p):
     _jax.register_bind_hook(_prim, _make_body_bind)
     _jax.register_partial_eval_rule(
         _prim, lambda previous: _jax.partial_eval_keeping(previous, _bodies_hold_tangent_sites))
+_jax.register_bind_hook(_jax.remat_p, _make_body_bind)

@@ -102,6 +102,33 @@ def scoped(scope: str) -> Iterator[None]:
         yield
 
 
+# --- sites whose tangent is a zero given to the construct around them ---------
+# JAX skips a jit, scan, cond or checkpoint none of whose inputs has a tangent;
+# derivative_sites.py gives one input a zero tangent so its sites meet that
+# level of differentiation. Their tangent sites, bound while it does so, are
+# constant sites (`constant`, as a site whose own inputs have none): their
+# tangent is made inside, and the split and backward pass treat it so.
+
+_given_zero = jax.make_user_context(default_value=False)
+
+
+@contextlib.contextmanager
+def given_a_zero_tangent(given: bool) -> Iterator[None]:
+    """With `given`: the sites bound in this block are constant sites of the
+    level of differentiation being traced (their tangent is a given zero)."""
+    if not given:
+        yield
+        return
+    with _given_zero(True):
+        yield
+
+
+def tangent_params(params: dict) -> dict:
+    """`params` of a tangent site, marked `constant` in a construct given a
+    zero tangent (`given_a_zero_tangent`)."""
+    return dict(params, constant=True) if _given_zero.value else params
+
+
 # --- sows a custom_vjp backward rule makes: recomputations ----------------------
 # A backward rule that re-runs the forward body (checkpointing) sows again the
 # names its forward pass sowed. Those sows are recomputations, not new
@@ -257,7 +284,7 @@ def _jvp(primals, tangents, *, path, **params):
         return outs, [*tangents, *mask_t]
     tangents = [_jax.ad.instantiate_zeros(t) for t in tangents]
     mask = outs[-1:] if mask_t else []
-    outs_t = sow_p.bind(*tangents, *mask, path=path + (JVP,), **params)
+    outs_t = sow_p.bind(*tangents, *mask, path=path + (JVP,), **tangent_params(params))
     return outs, [*outs_t[:len(tangents)], *mask_t]
 
 
@@ -524,7 +551,8 @@ def _body_sows(params: dict) -> bool:
 
 # A cond holding sites is not hoisted out of a scan either (its sites would
 # be sown once, not once per iteration).
-_jax.keep_in_scan_loops(_jax.cond_p, SowEffect, _body_sows)
+for _prim in (_jax.cond_p, _jax.jit_p, _jax.remat_p):
+    _jax.keep_in_scan_loops(_prim, SowEffect, _body_sows)
 
 
 def _inlined(eqn: Any) -> Any:

@@ -69,7 +69,8 @@ OPTIONAL = frozenset({
     "zero_trip_scan", "zero_trip_keeps_earlier", "dead_while_sown_before", "nested_while",
     "scan_in_while", "custom_jvp", "custom_vjp", "custom_vjp_closure", "custom_vjp_recompute",
     "label_names",
-    "label_scopes"})
+    "label_scopes", "constant_checkpoint", "constant_scan", "constant_scan_in_checkpoint",
+    "checkpointed_scan_body", "live_and_constant_clobber"})
 
 
 def simplest_with(construct):

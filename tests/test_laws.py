@@ -230,6 +230,39 @@ def test_law9_nest(pa):
     T.check_nest(p.fn, *args, tag=p.tag)
 
 
+# --- constant sites inside jax.checkpoint ---------------------------------------------
+# Checkpoints and scans none of whose inputs has a tangent, constant scans in
+# checkpoints, checkpointed scan bodies calling checkpointed layers, clobber
+# names sown by a live and a constant occurrence (LH_LAW_EXAMPLES widens it).
+CONSTANT_IN_CHECKPOINT = {"constant_checkpoint", "constant_scan", "constant_scan_in_checkpoint",
+                          "checkpointed_scan_body", "live_and_constant_clobber"}
+
+
+def _check_law(law, p, args, seed):
+    if law == 1:
+        T.check_linearize(p.fn, *args, tag=p.tag, strict_keys=True)
+    elif law == 2:
+        T.check_jvp(p.fn, *args, tag=p.tag, strict_keys=True)
+    elif law == 5:
+        T.check_vjp(p.fn, *args, tag=p.tag, strict_keys=True, subset=seed)
+    elif law == 6:
+        T.check_roundtrip(p.fn, *args, tag=p.tag, subset=seed, planted=p.plant)
+    else:
+        T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices, perturb=p.perturb,
+                     strict_keys=True)
+
+
+@needs_derivative_sites
+@slow
+@pytest.mark.parametrize("law", [1, 2, 5, 6, 7])
+@FEW
+@given(st.data())
+def test_laws_on_constant_sites_in_checkpoints(law, data):
+    p = data.draw(program_and_args(exclude={"while"} | CUSTOM).filter(
+        lambda pa: pa[0].constructs & CONSTANT_IN_CHECKPOINT))
+    _check_law(law, *p, data.draw(st.integers(0, 2 ** 16)))
+
+
 # --- several differentiation passes in one program (opt-in constructs) ----------------
 # A Python loop of jax.grad steps, a jax.grad before a lax.scan / lax.while_loop
 # of them (`T.Passes`): their keys carry labels, ("vjp", name) for the

@@ -36,6 +36,7 @@ except ImportError:  # jax < 0.10
 from lazyharvest._jax.versions import BIND_PARAMS_SPLIT, MERGED_JAXPR
 
 Zero = ad.Zero
+ShapedArray = _core.ShapedArray
 
 
 def _open(jaxpr: Jaxpr, consts: Sequence[Any]) -> Jaxpr:

@@ -365,14 +365,16 @@ def _wrap_checkpoint_jvp() -> None:
 _wrap_checkpoint_jvp()
 
 
-def with_zero_tangent(trace: Any, x: Any, linear: bool) -> Any:
+def with_zero_tangent(trace: Any, x: Any, linear: bool,
+                      zeros: Callable[[Any], Any] = zeros_tangent) -> Any:
     """`x` as a tracer of the differentiation trace `trace` with a zero
-    tangent (one the backward pass treats as linear, with `linear`)."""
+    tangent (one the backward pass treats as linear, with `linear`); on a
+    `jax.jvp` trace, `zeros(aval)` makes it."""
     x = primal_of(trace, x)
     aval = jax.typeof(x)
     if isinstance(trace, _ad.JVPTrace):
         with _core.set_current_trace(trace.parent_trace):
-            return _ad.JVPTracer(trace, x, zeros_tangent(aval))
+            return _ad.JVPTracer(trace, x, zeros(aval))
     with _core.set_current_trace(trace.tangent_trace), no_constant_folding():
         zero = linear_zero(aval) if linear else zeros_tangent(aval)
     return _ad.LinearizeTracer(trace, x, zero)

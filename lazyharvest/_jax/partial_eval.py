@@ -217,6 +217,13 @@ def read_from_a_fresh_ref(x: Any) -> Any:
     return _core.freeze(_core.new_ref(x))
 
 
+def linear_unknown(trace: Any, x: Any) -> Any:
+    """The known value `x` as an unknown of the partial evaluation `trace`,
+    read from a fresh reference: staged, and linear for the backward pass."""
+    with _core.set_current_trace(trace):
+        return read_from_a_fresh_ref(trace.instantiate_const(trace.new_const(x)))
+
+
 def partial_eval_kept(trace: Any, prim: Primitive, tracers: Sequence[Any],
                       params: dict, linear: bool = False) -> list:
     """Partial evaluation of `prim` as JAX does it by default, except that an
@@ -448,7 +455,9 @@ def keep_in_scan_loops(prim: Primitive, effect_type: type,
 
     def make_rule(previous: Callable) -> Callable:
         def rule(trace, *tracers, **params):
-            if _hoisting.value and keep(params) and all(t.pval.is_known() for t in tracers):
+            # (a call with some unknown input would split its body, and
+            # hoist the known half, sites included)
+            if _hoisting.value and keep(params) and any(t.pval.is_known() for t in tracers):
                 tracers = tuple(trace.instantiate_const(t) for t in tracers)
             return previous(trace, *tracers, **params)
         return rule

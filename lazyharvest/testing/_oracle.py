@@ -222,6 +222,8 @@ class Interpreter:
         raise TypeError(f"unknown statement {st!r}")
 
     def wrapped(self, st: Any, env: list, ctx: Ctx, sites: dict) -> list:
+        if getattr(st, "constant", False):  # no input with a tangent
+            env = [lax.stop_gradient(v) for v in env]
         if not self.lh:  # jit and checkpoint are the identity; scopes prefix keys
             sub = ctx.scoped(st.scope) if isinstance(st, Scope) else ctx
             return self._sub(st.body, env, sub, sites)
@@ -237,6 +239,8 @@ class Interpreter:
         return list(fn(tuple(env)))
 
     def scan(self, st: Scan, env: list, ctx: Ctx, sites: dict) -> list:
+        if st.constant:  # no input with a tangent
+            env = [lax.stop_gradient(v) for v in env]
         carry0, xs = env[st.carry], env[st.xs]
         length = _shape_of(xs)[0]
         shape = _shape_of(carry0)
@@ -254,6 +258,8 @@ class Interpreter:
             y = _fit(total, ())
             return c2, (y, {k: v for k, (_, v) in body_sites.items()}
                         if not self.lh else {})
+        if st.remat and self.lh:
+            body = jax.checkpoint(body)
         modes: dict = {}
         c, (ys, stacked) = lax.scan(body, carry0, (xs, jnp.arange(length)),
                                     reverse=st.reverse)
@@ -365,9 +371,15 @@ class Interpreter:
             return self.site(st.name, v, "clobber", ctx.only_if(reaped), {})
 
         def chain(v: Any, reaped: Any) -> tuple:
-            for op in st.ops:
-                v = UNARY[op](v)
-            v = sow(v, reaped)
+            def run(v: Any) -> Any:
+                for op in st.ops:
+                    v = UNARY[op](v)
+                return sow(v, reaped)
+            if st.constant:  # a checkpoint none of whose inputs has a tangent
+                v = lax.stop_gradient(v)
+                v = jax.checkpoint(run)(v) if self.lh else run(v)
+            else:
+                v = run(v)
             return v, v
         v = env[st.src]
         last = jnp.zeros_like(v)

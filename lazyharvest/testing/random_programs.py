@@ -218,7 +218,7 @@ def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool,
                 found.add("constant_in_jit")
             _constructs(st.body, found, scope_depth, in_scan, in_remat)
         elif isinstance(st, Remat):
-            found.add("checkpoint")
+            found.update({"checkpoint"} | ({"constant_checkpoint"} if st.constant else set()))
             _constructs(st.body, found, scope_depth, in_scan, True)
         elif isinstance(st, Repeat):
             found.add("jit_layer" if st.jit else "python_loop")
@@ -229,7 +229,11 @@ def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool,
                 found.add("reverse_scan")
             if in_scan:
                 found.add("nested_scan")
-            _constructs(st.body, found, scope_depth, True, in_remat)
+            if st.constant:
+                found.add("constant_scan_in_checkpoint" if in_remat else "constant_scan")
+            if st.remat:
+                found.add("checkpointed_scan_body")
+            _constructs(st.body, found, scope_depth, True, in_remat or st.remat)
         elif isinstance(st, Cond):
             found.update({st.kind, "site"})
             if st.sows:
@@ -265,6 +269,8 @@ def _loop_constructs(st: While, found: set, in_scan: bool) -> None:
         found.add("nested_while" if st.inner == "while" else "scan_in_while")
     if in_scan:
         found.add("scan_clobber")
+    if st.constant and st.pre and not never:
+        found.add("live_and_constant_clobber")
 
 
 def _n_created(st: Any) -> int:
@@ -346,7 +352,7 @@ def _variance(body: tuple, variant: list, in_loop: bool, in_remat: bool, found: 
             new = [env[st.src]]
         elif isinstance(st, Scan):
             inner = [False] * len(env) + [True, True]
-            _variance(st.body, inner, True, in_remat, found)
+            _variance(st.body, inner, True, in_remat or st.remat, found)
             v = env[st.carry] or env[st.xs]
             new = [v, v]
         elif isinstance(st, Cond):
@@ -430,11 +436,14 @@ def _render(body: tuple, names: list, counter: list, lines: list, ind: str) -> N
         elif isinstance(st, (Scope, Jit, Remat)):
             head = {Scope: lambda: f"nest(scope={getattr(st, 'scope', '')!r})",
                     Jit: lambda: "jax.jit", Remat: lambda: "jax.checkpoint"}[type(st)]()
-            lines.append(f"{ind}with {head}:  # a block")
+            reads = ", reading every variable through stop_gradient" if (
+                getattr(st, "constant", False)) else ""
+            lines.append(f"{ind}with {head}:  # a block{reads}")
             _render(st.body, names, counter, lines, ind + "    ")
         elif isinstance(st, Scan):
+            flags = "".join(f", {f}=True" for f in ("constant", "remat") if getattr(st, f))
             lines.append(f"{ind}scan(carry={names[st.carry]}, xs={names[st.xs]}, "
-                         f"reverse={st.reverse}) as (c, xi):")
+                         f"reverse={st.reverse}{flags}) as (c, xi):")
             inner = names + ["c", "xi"]
             _render(st.body, inner, counter, lines, ind + "    ")
             used = inner[len(names) + 2:] if st.dense else inner[-1:]
@@ -508,6 +517,8 @@ def _render_cond(st: Cond, names: list) -> str:
 
 def _render_loop(st: While, names: list) -> str:
     chain = f"v = sow({'('.join(st.ops)}(v{')' * len(st.ops)}), {st.name!r}, clobber)"
+    if st.constant:
+        chain = f"v = checkpoint(v -> {chain[4:]})(stop_gradient(v))"
     if st.inner:
         chain = f"{st.inner}({st.inner_trips} trips: {chain})"
     loop = "while_loop" if st.kind == "while" else "scan"

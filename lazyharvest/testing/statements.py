@@ -60,6 +60,14 @@ CONSTRUCTS = frozenset({
     "label_scopes",  # lh.nest scopes spelled like labels
     "constant_in_jit",  # a constant site directly inside jax.jit
     "constant_in_scan",  # a constant or stop_gradient site directly in a scan body
+    # inputs that carry no tangent into a construct (``lax.stop_gradient``):
+    "constant_checkpoint",  # a jax.checkpoint none of whose inputs has a tangent
+    "constant_scan",  # a scan none of whose inputs has a tangent
+    "constant_scan_in_checkpoint",  # such a scan inside jax.checkpoint
+    "checkpointed_scan_body",  # a scan whose body is a jax.checkpoint
+    # a clobber name sown before a loop (live) and in it, on a value without a
+    # tangent, inside jax.checkpoint (constant)
+    "live_and_constant_clobber",
     # several differentiation passes in one program (``Passes``): a Python
     # loop of jax.grad steps, a jax.grad before a lax.scan / lax.while_loop of
     # them; only drawn when asked for (``OPT_IN``)
@@ -142,9 +150,12 @@ class Scope:
 
 @dataclasses.dataclass(frozen=True)
 class _Wrapped:
-    """``body`` inside a transformation that keeps its values (a subclass each)."""
+    """``body`` inside a transformation that keeps its values (a subclass
+    each). With ``constant``, the block reads every variable through
+    ``lax.stop_gradient``: none of its inputs has a tangent."""
 
     body: tuple
+    constant: bool = False
 
 
 class Jit(_Wrapped):
@@ -183,6 +194,8 @@ class Scan:
     body: tuple
     reverse: bool = False
     dense: bool = False  # the carry update uses every body variable, not the last
+    constant: bool = False  # carry, xs and the variables read through lax.stop_gradient
+    remat: bool = False  # the body is a jax.checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +229,8 @@ class Cond:
 
 @dataclasses.dataclass(frozen=True)
 class While:
-    """A loop running ``trips`` times: ``v = sow(chain(v))`` (clobber).
+    """A loop running ``trips`` times: ``v = sow(chain(v))`` (clobber; with
+    ``constant``, ``v = checkpoint(u -> sow(chain(u)))(stop_gradient(v))``).
 
     ``kind``: the loop is a ``lax.while_loop`` or a ``lax.scan`` of length
     ``trips``. With ``pre``, ``v[src]`` is sown under the same name before the
@@ -231,6 +245,8 @@ class While:
     pre: bool = False
     inner: str = ""
     inner_trips: int = 0
+    # each trip's chain and site run in a jax.checkpoint without tangents
+    constant: bool = False
 
     @property
     def has_while(self) -> bool:

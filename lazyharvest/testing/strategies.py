@@ -190,7 +190,13 @@ class _Gen:
             body, new = self.block(shapes, scopes + (scope,), depth + 1, loop, 1, 3)
             return Scope(scope, body), new
         body, new = self.block(shapes, scopes, depth + 1, loop, 1, 3)
-        return (Jit(body) if kind == "jit" else Remat(body)), new
+        if kind == "jit":
+            return Jit(body), new
+        return Remat(body, self.sometimes("constant_checkpoint")), new
+
+    def sometimes(self, construct: str, one_in: int = 4) -> bool:
+        """True now and then (one draw in ``one_in``) where ``construct`` is allowed."""
+        return construct in self.allowed and self.draw(self.st().integers(1, one_in)) == 1
 
     def scan(self, shapes: list, scopes: tuple, depth: int) -> tuple[Any, list]:
         vec = (N,)
@@ -201,7 +207,10 @@ class _Gen:
         if not any(isinstance(s, (Sow, Cond, While, Scope, Scan, Jit, Remat)) for s in body):
             body += (Sow(self.name(scopes), (len(inner) + len(new) - 1,), self.mode(True)),)
         reverse = self.draw(self.st().booleans()) if "reverse_scan" in self.allowed else False
-        return Scan(carry, xs, body, reverse, not self.dead_code), [shapes[carry], vec]
+        constant = self.sometimes("constant_scan") or self.sometimes(
+            "constant_scan_in_checkpoint")
+        return Scan(carry, xs, body, reverse, not self.dead_code, constant,
+                    self.sometimes("checkpointed_scan_body")), [shapes[carry], vec]
 
     def branches(self, kind: str, shapes: list, scopes: tuple, loop: bool) -> tuple[Any, list]:
         st, draw = self.st(), self.draw
@@ -255,8 +264,10 @@ class _Gen:
         inner = draw(st.sampled_from(inner_options))
         inner_trips = draw(st.sampled_from([1, 2, 0])) if inner else 0
         loop = "while" if kind == "while" else "scan"
-        return While(src, ops, trips, self.name(scopes), loop, pre, inner, inner_trips), [
-            shapes[src]]
+        constant = self.sometimes("live_and_constant_clobber", 3)
+        pre = pre or constant  # the name's live occurrence comes before the loop
+        return While(src, ops, trips, self.name(scopes), loop, pre, inner, inner_trips,
+                     constant), [shapes[src]]
 
     def repeat(self, kind: str, shapes: list, scopes: tuple, depth: int) -> tuple[Any, list]:
         """A Python loop over 2 or 3 layers (``jit_layer``: a jitted layer)."""

@@ -246,6 +246,22 @@ def test_jaxpr_trace_instantiate_const(monkeypatch):
         f"JaxprTrace.instantiate_const no longer stages a known value on jax {V}")
 
 
+def test_linear_unknown_is_staged_and_transposed(monkeypatch):
+    """lazyharvest assumes a partial-eval rule of a primitive without inputs may
+    return `trace.new_const(x)` instantiated and read from a fresh reference
+    (`linear_unknown`): staged, and treated as linear by the backward pass of
+    the staged jaxpr (derivative_sites.given_zero_p)."""
+    prim = layer_core.Primitive("lh_contract_zero")
+    prim.def_impl(lambda: jnp.zeros((), "float32"))
+    prim.def_abstract_eval(lambda: layer_core.ShapedArray((), jnp.float32))
+    monkeypatch.setitem(layer._pe.custom_partial_eval_rules, prim,
+                        lambda trace: layer.linear_unknown(trace, jnp.zeros((), "float32")))
+    names = [e.primitive.name for e in _partial_eval(lambda x: [x * 2. + prim.bind()]).eqns]
+    assert names[names.index("new_ref") + 1] == "freeze" and names[-1] != "freeze", (
+        f"linear_unknown no longer stages a value read from a fresh reference on jax {V}: "
+        f"{names}")
+
+
 def test_pe_effect_handles_keep_unused_eqns(monkeypatch):
     """lazyharvest assumes an output of `trace.default_process_primitive` carries its
     `JaxprEqnRecipe` as `.recipe` (with `.in_tracers`), and appending
