@@ -195,7 +195,20 @@ def test_backward_function_gives_the_cotangent_of_the_reaped_occurrence(case):
         assert any(np.any(np.asarray(v) != 0) for v in want.values())
 
 
-@each_case
+# Open on jax < 0.11 (docs/laws.md, "Bugs the laws found"): a constant scan
+# nested in a second scan inside jax.checkpoint, its value unused, reads
+# another occurrence's value (or zeros, and no cotangent key) under jax.grad.
+OPEN_BEFORE_0_11 = {"constant_scan-nested-unused", "constant_scan-nested-alone-unused"}
+
+
+def _grad_cases():
+    old = _jax.JAX_VERSION < (0, 11)
+    return [pytest.param(c, id=k, marks=[pytest.mark.xfail(
+        strict=True, reason="open on jax < 0.11: docs/laws.md")] if old and (
+            k in OPEN_BEFORE_0_11) else []) for k, c in CASES.items()]
+
+
+@pytest.mark.parametrize("case", _grad_cases())
 def test_grad_gives_values_and_cotangents_and_no_tangents(case):
     prog, values, _ = case
     d = reaped(jax.grad(prog), X)
