@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import operator
 import threading
-from collections.abc import Callable, Hashable, Iterable, Sequence
+import warnings
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -74,8 +75,17 @@ def _call(with_out: bool, with_dict: bool, static_argnums: Any = (),
 
 def _run(f: Callable, h: Harvest, plants: Any, args: tuple, kwargs: dict,
          how: _Call, remember: Callable[[Traced], None] | None = None) -> Any:
+    if plants is not None and not isinstance(plants, Mapping):
+        # (before tracing: plants passed in another position would reach the
+        # user's function first, and fail there)
+        raise HarvestError(
+            f"plant for tag {h.tag!r}: plants must be a mapping keyed like the reaped "
+            f"keys, got {type(plants).__name__}. The planted function takes the plants "
+            f"first: lh.plant(f, tag=...)(plants, *args).")
     flat, arg_spec, avals = flatten_args(*how.split_static(args, kwargs))
     traced, cached = cached_trace(f, h, arg_spec, avals)
+    if how.with_dict and not traced.names:
+        _warn_no_site(traced)
     if cached and remember is not None:
         remember(traced)
     spec, plant_leaves = NO_PLANTS, list[Any]()
@@ -98,6 +108,15 @@ def _run(f: Callable, h: Harvest, plants: Any, args: tuple, kwargs: dict,
     d = DelayedDict.from_trace(traced, flat, spec, plant_leaves,
                                computed=(keys, outs[n_out:]))
     return out, d
+
+
+def _warn_no_site(traced: Traced) -> None:
+    """A harvest of a tag no site sows (a typo) says so at once."""
+    others = sorted(map(repr, traced.other_tags))
+    sown = (f"Tags sown in this program: {', '.join(others)}." if others
+            else "No site of any tag is sown in this program.")
+    warnings.warn(f"harvest of tag {traced.harvest.tag!r}: no site of this tag is sown; "
+                  f"the result is empty. {sown} Check the tag's spelling.", stacklevel=5)
 
 
 class _Recent:

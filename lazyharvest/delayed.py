@@ -454,7 +454,14 @@ class DelayedDict(Mapping):
             return HarvestKeyError(
                 f"harvest of tag {tag!r}: no key {keys_mod.display(k)!r}: no site "
                 f"of tag {tag!r} is sown.{hint} Check the tag's spelling.")
-        near = closest(str(keys_mod.display(k)), [str(s) for s in shown])
+        flat = tuple(p for part in k for p in (part if isinstance(part, tuple) else (part,)))
+        if flat != k:  # a tuple inside the key: d[(("vjp", "h1"),)]
+            return HarvestKeyError(
+                f"harvest of tag {tag!r}: no key {k!r}: a key is one flat tuple of its "
+                f"parts, not a tuple holding a tuple; write d[{', '.join(map(repr, flat))}]"
+                f" (the key {keys_mod.display(flat)!r}).")
+        by_text = {str(s): s for s in shown}
+        near = [by_text[t] for t in closest(str(keys_mod.display(k)), by_text)]
         return HarvestKeyError(
             f"harvest of tag {tag!r}: no key {keys_mod.display(k)!r}. "
             f"Closest keys: {near}. All keys: {shown}.")

@@ -503,10 +503,15 @@ def resolve_plants(traced: Traced, plants: Any, add: bool = False
                 walk(prefix + keys_mod.normalize(k), v)
         else:
             shown = [keys_mod.display(k) for k in traced.raw_of]
+            others = sorted(map(repr, traced.other_tags))
+            hint = "" if shown else (
+                f" No site of tag {h.tag!r} is sown: check the tag's spelling. " + (
+                    f"Tags sown in this program: {', '.join(others)}." if others
+                    else "No site of any tag is sown in this program."))
             raise HarvestError(
                 f"plant for tag {h.tag!r}: no site is sown as "
                 f"{keys_mod.display(prefix)!r}. Sites of this tag: {shown}. "
-                f"Closest: {closest(str(keys_mod.display(prefix)), map(str, shown))}.")
+                f"Closest: {closest(str(keys_mod.display(prefix)), map(str, shown))}.{hint}")
 
     if plants is None:
         plants = {}

@@ -4,7 +4,9 @@ the demo."""
 import logging
 import subprocess
 import sys
+import warnings
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -57,3 +59,56 @@ def test_demo_prints_the_summary_table_and_writes_nothing(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "l2 norm" in out.stdout and "('vjp', 'layer2')" in out.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+# --- rough edges a newcomer met -------------------------------------------------------
+
+def _acts(x):
+    return jnp.sum(lh.sow(jnp.sin(x), tag="acts", name="h1"))
+
+
+def test_a_harvest_of_a_tag_no_site_sows_warns_at_once_naming_the_sown_tags():
+    with pytest.warns(UserWarning, match=r"no site of this tag is sown.*'acts'"):
+        d = lh.reap(_acts, tag="act")(jnp.ones(3))
+    assert len(d) == 0
+    with pytest.warns(UserWarning, match="'acts'"):
+        lh.call_and_reap(_acts, tag="act")(jnp.ones(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a tag that is sown: no warning
+        lh.reap(_acts, tag="acts")(jnp.ones(3))
+
+
+def test_a_plant_of_a_misspelt_tag_lists_the_tags_sown():
+    with pytest.raises(lh.HarvestError, match=r"No site of tag 'act' is sown.*'acts'"):
+        lh.plant(_acts, tag="act")({"h1": jnp.zeros(3)}, jnp.ones(3))
+
+
+def test_plants_in_the_wrong_position_are_refused_before_the_model_runs():
+    called = []
+
+    def loss(params, x, y):
+        called.append(1)
+        w, b = params  # would fail on the plants mapping
+        return jnp.sum((lh.sow(w * x + b, tag="acts", name="h1") - y) ** 2)
+    params = (jnp.ones(3), jnp.zeros(3))
+    with pytest.raises(lh.HarvestError, match=r"plants must be a mapping.*\(plants, \*args\)"):
+        lh.plant(loss, tag="acts")(params, jnp.ones(3), jnp.ones(3), {"h1": jnp.zeros(3)})
+    assert not called
+    got = lh.plant(loss, tag="acts")({"h1": jnp.zeros(3)}, params, jnp.ones(3), jnp.ones(3))
+    assert float(got) == 3.0  # sum((0 - 1) ** 2): the plant in place
+
+
+def test_a_key_holding_a_tuple_says_how_to_write_it():
+    d = lh.reap(jax.grad(_acts), tag="acts")(jnp.ones(3))
+    with pytest.raises(KeyError, match=r"write d\['vjp', 'h1'\]"):
+        d[(("vjp", "h1"),)]
+    with pytest.raises(KeyError) as e:
+        d["vjp", "h2"]
+    assert "Closest keys: [('vjp', 'h1')" in str(e.value)  # keys, not their quoted text
+
+
+def test_law_checkers_give_perturbations_under_either_spelling():
+    def perturb(eps, x):  # a user's oracle reads eps["h1"], as slices are keyed
+        return jnp.sum(jnp.sin(x) + eps["h1"]) + jnp.sum(eps[("h1",)] * 0)
+    x = jnp.array([0.3, -1.0, 2.0])
+    T.check_lazy(_acts, x, tag="acts", slices={"h1": jnp.sin}, perturb=perturb)

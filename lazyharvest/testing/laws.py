@@ -405,6 +405,23 @@ def check_nest(f: Callable, *args: Any, tag: Hashable, rtol: float = RTOL,
 
 # --- law 7 --------------------------------------------------------------------
 
+class _Spellings(Mapping):
+    """Perturbations keyed by key tuples that also take a one-part key's bare
+    name (``eps["h0"]`` or ``eps[("h0",)]``), as ``slices`` and DelayedDict do."""
+
+    def __init__(self, table: Mapping) -> None:
+        self._table = table
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._table[normalize(key)]
+
+    def __iter__(self) -> Any:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+
 class _Law7:
     """The parts of law 7 for one function, its inputs and its slices."""
 
@@ -491,7 +508,8 @@ class _Law7:
         """Checks the keys under ``jax.vjp``; returns the perturbations' cotangents."""
         law = _law(7, "vjp keys")
         eps0 = {k: zeros_like_tree(v) for k, v in want.items()}
-        ct_sites = guard(law, lambda: jax.vjp(lambda e: perturb(e, *self.args), eps0)[1](ct)[0])
+        ct_sites = guard(law, lambda: jax.vjp(lambda e: perturb(_Spellings(e), *self.args),
+                                              eps0)[1](ct)[0])
         d = guard(law, lambda: self.reap(lambda *a: jax.vjp(self.f, *a)[1](ct), *self.args))
         self.leaves(_law(7, "values under reverse mode"), d, self.under(), want)
         self.leaves(law, d, self.under("vjp"), ct_sites, constant, "constant sites")
