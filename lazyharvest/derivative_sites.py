@@ -485,6 +485,12 @@ _jax.register_partial_eval_rule(_jax.remat_p, lambda previous: (
     _jax.partial_eval_keeping_staged(previous, lambda j: _jaxpr_holds(j, _DERIVATIVE))))
 
 
+# A backward function whose output cotangents are all zero (the output does
+# not depend on the differentiated inputs) still records its sites' zeros.
+_jax.show_to_backward_pass(
+    lambda jaxpr: bool(active_tags()) and _jaxpr_holds(jaxpr, _DERIVATIVE))
+
+
 def _transposes_sites(params: dict) -> bool:
     """A body holding tangent sites, transposed while a harvest is traced."""
     return bool(active_tags()) and _bodies_hold_tangent_sites(params)

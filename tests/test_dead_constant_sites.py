@@ -804,3 +804,22 @@ def test_regression_dead_site_in_a_checkpoint_after_a_loop_with_sites():
     for got in (reaped(jax.grad(fn), X)["vjp"], reaped(jax.vjp(fn, X)[1], 1.0)):
         close(got["k"], want_k)
         close(got["s"], want_s)
+
+
+def _output_without_tangents(x, b, e=0.0):
+    lh.sow(b + e, tag="t", name="s0")  # dead
+    return jnp.sum(jax.checkpoint(jnp.sin)(lax.stop_gradient(x)))
+
+
+def test_regression_backward_function_of_an_output_without_tangents_keeps_its_sites():
+    # (the wide law-5 run on constant checkpoints) the output depends on no
+    # differentiated input: JAX's backward pass returned at once (every
+    # cotangent reaching it zero, no effect), and the backward function built
+    # outside the harvest reaped nothing; a dead site's cotangent is zeros
+    want = jax.grad(lambda e: _output_without_tangents(X, C0, e))(jnp.zeros(3))
+    close(want, 0.0)  # plain JAX: a zero perturbation argument
+    bwd = jax.vjp(_output_without_tangents, X, C0)[1]
+    d = reaped(bwd, 1.0)
+    assert list(d.keys()) == ["s0"]
+    close(d["s0"], want)
+    close(bwd(1.0)[1], 0.0)  # and the backward function's own cotangents

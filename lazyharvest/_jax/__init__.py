@@ -120,6 +120,7 @@ from lazyharvest._jax.differentiation import (  # noqa: F401
     register_remat_rule,
     remat_rule,
     replace_subfuns,
+    show_to_backward_pass,
     tangent_trace,
     trace_wrapped,
     trace_wrapped_avals,

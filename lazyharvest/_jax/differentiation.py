@@ -467,6 +467,26 @@ def wrap_transpose(prim: Primitive, keep: Callable[[dict], bool],
         _ad.fancy_transposes[node(prim)] = rule
 
 
+def show_to_backward_pass(show: Callable[[Jaxpr], bool]) -> None:
+    """JAX's backward pass of a linear jaxpr (`jax.vjp`'s backward function)
+    returns at once when every cotangent reaching it is zero (an output that
+    does not depend on the differentiated inputs) and the jaxpr has no
+    effect. A jaxpr for which `show(jaxpr)` holds (it holds cotangent sites
+    to record) runs with an effect shown, so its sites get their zeros."""
+    original = getattr(_ad, "backward_pass3", None)
+    if original is None or getattr(original, "_lazyharvest", False):
+        return
+
+    def backward_pass3(jaxpr, transform_stack, consts, primals_in, cotangents_in):
+        if (not jaxpr.effects and all(type(c) is Zero for c in cotangents_in)
+                and show(jaxpr)):
+            from lazyharvest._jax.partial_eval import keep_effect
+            jaxpr = jaxpr.replace(effects=jaxpr.effects | {keep_effect})
+        return original(jaxpr, transform_stack, consts, primals_in, cotangents_in)
+    backward_pass3._lazyharvest = True  # type: ignore[attr-defined]
+    _ad.backward_pass3 = backward_pass3
+
+
 def internals() -> dict[str, Any]:
     """The JAX modules this module imports inside functions, by dotted name
     (for the contract tests, tests/jax_contracts/)."""

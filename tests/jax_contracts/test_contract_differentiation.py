@@ -707,3 +707,17 @@ def test_a_custom_vjp_call_with_accumulators_bound_again_keeps_count_of_its_clos
     rebound = jax.grad(lambda u: layer_core.eval_jaxpr(
         again.jaxpr, again.consts, u)[0].sum())(jnp.array([0.3, 0.9]))
     close(rebound, jnp.cos(jnp.array([0.3, 0.9])) * w)
+
+
+def test_backward_pass3_skips_a_jaxpr_whose_cotangents_are_all_zero(monkeypatch):
+    """lazyharvest assumes `jax.vjp`'s backward function runs `ad.backward_pass3`
+    (a module attribute, looked up when called), which returns at once when
+    every cotangent is a symbolic zero and the jaxpr has no effect
+    (differentiation.show_to_backward_pass shows it an effect instead)."""
+    ran = []
+    original = layer._ad.backward_pass3
+    monkeypatch.setattr(layer._ad, "backward_pass3", lambda jaxpr, *a: (
+        ran.append(len(jaxpr.eqns)), original(jaxpr, *a))[1])
+    jax.vjp(lambda x: jnp.sum(lax.stop_gradient(x)), jnp.ones(3))[1](1.0)
+    assert ran, f"jax.vjp's backward function no longer calls ad.backward_pass3 on jax {V}"
+    assert hasattr(layer._ad.backward_pass3, "__call__")
