@@ -28,7 +28,7 @@ from jax.interpreters import partial_eval as pe
 
 # jax >= 0.10 exports these from jax.extend.core; 0.8 and 0.9 keep them in _src.
 try:
-    from jax.extend.core import Effect, new_jaxpr_eqn  # noqa: F401
+    from jax.extend.core import Effect, new_jaxpr_eqn  # type: ignore[attr-defined]  # noqa: F401
 except ImportError:  # jax < 0.10
     from jax._src.core import new_jaxpr_eqn
     from jax._src.effects import Effect  # noqa: F401

@@ -271,7 +271,7 @@ def differentiation_kind(trace: Any) -> str | None:
     if isinstance(trace, _ad.JVPTrace):
         return "jvp"
     if isinstance(trace, _ad.LinearizeTrace):
-        return "vjp" if trace.is_vjp else "linearize"
+        return "vjp" if trace.is_vjp else "linearize"  # type: ignore[attr-defined]  # jax >= 0.9
     return None
 
 
