@@ -21,6 +21,7 @@ import weakref
 import jax.numpy as jnp
 
 from lazyharvest import _jax
+from lazyharvest._identity_cache import MISSING, IdentityCache
 from lazyharvest.keys import JVP, PRIMAL, VJP
 from lazyharvest.primitive import (
     active_tags,
@@ -73,7 +74,7 @@ def _dce(used_outputs, eqn):
     return _jax.default_dce_rule(used_outputs, eqn)
 
 
-_HOLDS: dict = {}  # (id(jaxpr), which) -> (jaxpr, found)
+_HOLDS = IdentityCache()  # (jaxpr, which) -> found
 
 # Which sites `_jaxpr_holds` looks for: any site; a tangent or cotangent site;
 # the zero tangent of a constant site under reverse mode (`_constant_site`);
@@ -82,13 +83,11 @@ _ANY, _DERIVATIVE, _CONSTANT, _WHILE = "any", "derivative", "constant", "while"
 
 
 def _jaxpr_holds(jaxpr, which: str) -> bool:
-    hit = _HOLDS.get((id(jaxpr), which))
-    if hit is not None and hit[0] is jaxpr:
-        return hit[1]
+    hit = _HOLDS.get((jaxpr,), which)
+    if hit is not MISSING:
+        return hit
     found = any(_eqn_holds(e, which) for e in jaxpr.eqns)
-    if len(_HOLDS) > 4096:
-        _HOLDS.clear()
-    _HOLDS[(id(jaxpr), which)] = (jaxpr, found)
+    _HOLDS.put((jaxpr,), which, found)
     return found
 
 

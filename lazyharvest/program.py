@@ -56,12 +56,12 @@ class Program:
         self.jaxpr = jaxpr
         self.consts = consts
         self.what = what
-        self.fn = jax.jit(self._eval)
+        # (not a bound method: a Program and its jitted function would form a
+        # cycle, so JAX's caches of it, and the user's functions and arrays
+        # its jaxpr holds, would wait for a second garbage collection)
+        self.fn = jax.jit(functools.partial(_jax.eval_jaxpr, jaxpr, consts))
         self.first = True
         self.used = False  # read through `Traced.plain_program` (LRU second chance)
-
-    def _eval(self, *flat):
-        return _jax.eval_jaxpr(self.jaxpr, self.consts, *flat)
 
     def __call__(self, *flat):
         if not self.first:

@@ -158,3 +158,50 @@ def test_a_weakly_typed_plant_after_a_strong_one_compiles_nothing():
     assert counts[1:] == [0, 0]
     for (plants, xv), out in zip(calls, outs):
         close(out, hand_patched(xv, 1, jnp.asarray(plants["h1"], jnp.float32)))
+
+
+def _closing_over_a_jit(big):
+    return lambda x: jax.jit(lambda y: lh.sow(big @ y, tag="t", name="a"))(x)
+
+
+def _grad_of_a_jit(big):
+    return jax.grad(lambda x: jax.jit(lambda y: lh.sow(big @ y, tag="t", name="a").sum())(x))
+
+
+def _grad_of_a_custom_vjp(big, site_inside=False):
+    def fun(u):
+        v = jnp.sin(big @ u)
+        return lh.sow(v, tag="t", name="inner") if site_inside else v
+    g = jax.custom_vjp(fun)
+    g.defvjp(lambda u: (g(u), u), lambda u, ct: (big.T @ (jnp.cos(big @ u) * ct),))
+    return jax.grad(lambda x: lh.sow(g(x), tag="t", name="a").sum())
+
+
+def _linearized_outside(big):
+    inner = jax.jit(lambda z: lh.sow(big @ z, tag="t", name="a"))
+
+    def f(x):
+        _, lin = jax.linearize(inner, x)
+        return lin(x)
+    return f
+
+
+@pytest.mark.parametrize("make", [
+    _closing_over_a_jit, _grad_of_a_jit, _grad_of_a_custom_vjp,
+    lambda big: _grad_of_a_custom_vjp(big, site_inside=True), _linearized_outside,
+], ids=["jit", "grad_of_jit", "grad_of_custom_vjp", "grad_of_custom_vjp_with_a_site",
+        "linearized_outside"])
+def test_arrays_the_function_closes_over_are_freed_with_it(make):
+    """The caches of what a jaxpr or a custom rule holds (keyed by identity)
+    hold them weakly: on jax >= 0.11 a jaxpr holds its constants, and a
+    custom_vjp's functions their closures."""
+    def run():
+        big = jnp.ones((64, 64)) * 2
+        f = make(big)
+        d = lh.reap(f, tag="t")(jnp.ones(64))
+        for k in d.keys():  # (every program compiled and run)
+            jax.block_until_ready(d[k])
+        return weakref.ref(big)
+    ref = run()
+    gc.collect()
+    assert ref() is None, "an array the reaped function closed over outlived it"

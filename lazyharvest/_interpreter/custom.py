@@ -19,6 +19,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from lazyharvest import _jax
+from lazyharvest._identity_cache import MISSING, IdentityCache
 from lazyharvest._interpreter.plumbing import PlantOperands, split_list, strip_sites
 from lazyharvest._interpreter.run import EVAL_RULES, Run, bind
 from lazyharvest._interpreter.sites import (
@@ -296,8 +297,8 @@ def _in_rule() -> Iterator[None]:
         _RULE.depth = before
 
 
-# (ids of the function and rule, avals, tags, scopes) -> (function, rule): no sites
-_NO_RULE_SITES: dict = {}
+# (function, rule; avals, tags, scopes) -> True: no sites
+_NO_RULE_SITES = IdentityCache()
 
 
 def _rule_of(fun: Any, rule: Any, avals: Sequence[Any], n: int,
@@ -307,15 +308,12 @@ def _rule_of(fun: Any, rule: Any, avals: Sequence[Any], n: int,
     arguments are the first `n`); None if there are none, or if the rule
     closes over values of a trace (it must run after that trace ends)."""
     fns = (getattr(fun, "f", None), getattr(rule, "f", None))
-    cache = (*map(id, fns), tuple(avals), active_tags(), current_scopes())
-    hit = _NO_RULE_SITES.get(cache)
-    if hit is not None and hit == fns:
+    context = (tuple(avals), active_tags(), current_scopes())
+    if _NO_RULE_SITES.get(fns, context) is not MISSING:
         return None
     found = _find_rule_sites(fun, rule, avals, n, call)
     if found is None:
-        if len(_NO_RULE_SITES) > 4096:
-            _NO_RULE_SITES.clear()
-        _NO_RULE_SITES[cache] = fns
+        _NO_RULE_SITES.put(fns, context, True)
     return found
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 
 from lazyharvest import _jax
+from lazyharvest._identity_cache import MISSING, IdentityCache
 from lazyharvest.keys import PRIMAL, Label
 from lazyharvest.primitive import is_masked, is_recomputed, sow_p
 
@@ -70,19 +71,16 @@ def sub_jaxprs(params: dict) -> Iterable[_jax.Jaxpr]:
                 yield from (getattr(j, "jaxpr", j) for j in _jax.hi_prim_jaxprs(x))
 
 
-_HAS_SITES: dict = {}
+_HAS_SITES = IdentityCache()  # (jaxpr, tag) -> found
 
 
 def jaxpr_has_sites(jaxpr: _jax.Jaxpr, tag: Hashable) -> bool:
-    key = (id(jaxpr), tag)
-    hit = _HAS_SITES.get(key)
-    if hit is not None and hit[0] is jaxpr:
-        return hit[1]
+    hit = _HAS_SITES.get((jaxpr,), tag)
+    if hit is not MISSING:
+        return hit
     found = any((e.primitive is sow_p and (tag is ANY_TAG or e.params["tag"] == tag))
                 or contains_sites(e, tag) for e in jaxpr.eqns)
-    if len(_HAS_SITES) > 4096:
-        _HAS_SITES.clear()
-    _HAS_SITES[key] = (jaxpr, found)
+    _HAS_SITES.put((jaxpr,), tag, found)
     return found
 
 
