@@ -7,6 +7,7 @@
     python scripts/compat.py --extras test,full 0.12.0.1@3.12       # JAX@Python
     python scripts/compat.py 0.9.2 -- -x tests/test_sharding.py   # pytest arguments
     python scripts/compat.py --parallel 0.8.3:fast 0.9.2:layer    # a subset per version
+    python scripts/compat.py --extras test,full newest@3.12       # the newest release (as CI)
 
 A version may name its subset after a colon: `:full` (the whole suite),
 `:fast` (-m "not slow") or `:layer` (LAYER_TESTS: the tests of what the
@@ -17,15 +18,24 @@ version found as `python3.12` on PATH or under pyenv's versions), or
 `0.12.0.1@/path/to/python`. Without one, jax >= 0.11 (which needs Python
 >= 3.12) takes Python 3.12 and older JAX this interpreter (--python).
 
+The version `newest` is not pinned: it installs the newest jax and jaxlib
+that pip resolves within the range pyproject.toml declares, and the newest
+releases of the `full` extra's libraries (Flax, Equinox, diffrax...: their
+pins dropped) and of every other dependency (`pip install -U
+--upgrade-strategy eager`), again on every run, so a new release that breaks
+something fails the next run. It takes Python 3.12 unless told.
+
 For each version it makes (or reuses) a venv under the cache directory
 (--cache-dir, $LAZYHARVEST_COMPAT_DIR, or ~/.cache/lazyharvest-compat),
 installs `jax==V jaxlib==V` and this checkout with the extras named by
 --extras from PyPI (default `test`: `pip install -e ".[test]"`, so pip also
-checks V against the declared range), then runs pytest from the repository
-root. At the end it prints one row per version: passed / failed / errors /
-skipped / xfailed / xpassed, the suite's wall-clock seconds and CPU seconds
-(user + sys; on a shared machine the wall clock also counts waiting for a
-core), and the setup seconds.
+checks V against the declared range), prints the versions it resolved
+(Python, jax, jaxlib, numpy, flax, equinox, diffrax), then runs pytest from
+the repository root. At the end it prints one row per version: passed /
+failed / errors / skipped / xfailed / xpassed, the suite's wall-clock seconds
+and CPU seconds (user + sys; on a shared machine the wall clock also counts
+waiting for a core), and the setup seconds; then the versions each venv
+resolved.
 
 Exit status: 0 when every suite passed; 1 when a suite failed; 2 when a venv
 could not be set up (a Python that cannot be found says which and how to get
@@ -46,7 +56,12 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_VERSIONS = ("0.8.3", "0.9.2", "0.10.2", "0.11.2",
-                    "0.12.0.1")  # lazyharvest/_jax/versions.py: TESTED_JAX_VERSIONS
+                    "0.12.0.1", "0.12.1")  # lazyharvest/_jax/versions.py: TESTED_JAX_VERSIONS
+# Not a version: the newest jax/jaxlib pip resolves within the declared range,
+# with the newest releases of every other dependency (refreshed on each run).
+NEWEST = "newest"
+# The distributions whose versions a venv's setup prints.
+REPORTED = ("jax", "jaxlib", "numpy", "flax", "equinox", "diffrax")
 # JAX from 0.11 on needs Python >= 3.12: the Python its venvs are made from
 # unless a version names one.
 NEWER_JAX_PYTHON = "3.12"
@@ -103,18 +118,60 @@ def find_python(spec: str) -> str | None:
 def python_for(version: str, default: str) -> tuple[str, str | None]:
     """(the JAX version, the interpreter for its venv, or None if missing)."""
     version, _, spec = version.partition("@")
-    if not spec and tuple(int(p) for p in version.split(".")[:2]) >= (0, 11):
+    if not spec and (version == NEWEST
+                     or tuple(int(p) for p in version.split(".")[:2]) >= (0, 11)):
         spec = NEWER_JAX_PYTHON
     return version, (find_python(spec) if spec else default)
+
+
+def unpinned(extras: str) -> list[str]:
+    """The requirements of pyproject.toml's `extras` (comma-separated) without
+    their version pins and markers: `flax==0.12.12; python_version >= '3.12'`
+    gives `flax`."""
+    import tomllib
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    names: list[str] = []
+    for extra in filter(None, extras.split(",")):
+        for req in declared[extra]:
+            name = re.match(r"[A-Za-z0-9._-]+", req.strip())
+            if name and name.group() not in names:
+                names.append(name.group())
+    return names
 
 
 def venv_python(venv: pathlib.Path) -> pathlib.Path:
     return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
+def install_command(py: pathlib.Path, version: str, extras: str) -> list[str]:
+    """Pinned: this checkout with `extras` and `jax==V jaxlib==V`. `newest`:
+    this checkout with the `test` extra, and jax, jaxlib and the other extras'
+    libraries unpinned, all upgraded to the newest pip resolves (jax within
+    the declared range)."""
+    cmd = [str(py), "-m", "pip", "install", "-q"]
+    if version != NEWEST:
+        return cmd + ["-e", f"{ROOT}[{extras}]", f"jax=={version}", f"jaxlib=={version}"]
+    rest = [e for e in extras.split(",") if e and e != "test"]
+    return cmd + ["--upgrade", "--upgrade-strategy", "eager",
+                  "-e", f"{ROOT}[test]" if "test" in extras.split(",") else str(ROOT),
+                  "jax", "jaxlib", *unpinned(",".join(rest))]
+
+
+_PROBE = ("import importlib.metadata as m, platform, lazyharvest\n"
+          "def v(d):\n"
+          "    try:\n"
+          "        return m.version(d)\n"
+          "    except m.PackageNotFoundError:\n"
+          "        return '-'\n"
+          "print(platform.python_version(), lazyharvest.__file__, "
+          f"*(v(d) for d in {REPORTED!r}))")
+
+
 def setup(version: str, venv: pathlib.Path, python: str, fresh: bool, extras: str,
-          log) -> str | None:
-    """Makes the venv and installs into it; returns jaxlib's version, or None."""
+          log) -> dict[str, str] | None:
+    """Makes the venv and installs into it; returns the versions it resolved
+    (Python and REPORTED; "-" for one not installed), or None."""
     if fresh and venv.exists():
         shutil.rmtree(venv)
     py = venv_python(venv)
@@ -122,24 +179,25 @@ def setup(version: str, venv: pathlib.Path, python: str, fresh: bool, extras: st
         if run([python, "-m", "venv", str(venv)], log) != 0:
             return None
         run([str(py), "-m", "pip", "install", "-q", "--upgrade", "pip"], log)
-    rc = run([str(py), "-m", "pip", "install", "-q", "-e", f"{ROOT}[{extras}]",
-              f"jax=={version}", f"jaxlib=={version}"], log)
-    if rc != 0:
+    if run(install_command(py, version, extras), log) != 0:
         return None
-    probe = subprocess.run(
-        [str(py), "-c", "import jax, jaxlib, lazyharvest; "
-         "print(jax.__version__, jaxlib.__version__, lazyharvest.__file__)"],
-        cwd=ROOT, capture_output=True, text=True)
+    probe = subprocess.run([str(py), "-c", _PROBE], cwd=ROOT, capture_output=True, text=True)
     log.write(probe.stdout + probe.stderr)
     if probe.returncode != 0:
         print(probe.stderr)
         return None
-    jax_v, jaxlib_v, where = probe.stdout.split()
-    print(f"jax {jax_v}, jaxlib {jaxlib_v}, lazyharvest from {where}", flush=True)
-    if jax_v != version or not pathlib.Path(where).resolve().is_relative_to(ROOT):
+    py_v, where, *found = probe.stdout.split()
+    resolved = {"Python": py_v, **dict(zip(REPORTED, found))}
+    print(f"resolved: {describe(resolved)}; lazyharvest from {where}", flush=True)
+    if version not in (NEWEST, resolved["jax"]) or not pathlib.Path(
+            where).resolve().is_relative_to(ROOT):
         print(f"expected jax {version} and lazyharvest from {ROOT}")
         return None
-    return jaxlib_v
+    return resolved
+
+
+def describe(resolved: dict[str, str]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in resolved.items())
 
 
 def summary(output: str) -> dict[str, int]:
@@ -265,7 +323,7 @@ def main() -> int:
         return 2
 
     rows, status, t_start = [], 0, time.perf_counter()
-    ready = []  # (version, venv, jaxlib version, setup seconds, subset)
+    ready = []  # (version, venv, resolved versions, setup seconds, subset)
     for spec in args.versions:
         head, colon, tail = spec.rpartition(":")
         spec, subset = (head, tail) if colon and not set("/\\") & set(tail) else (spec, "")
@@ -291,25 +349,27 @@ def main() -> int:
         print(f"\n=== jax {version} on Python {py_v}: {venv}", flush=True)
         with open(args.cache_dir / f"jax-{version}.log", "w") as log:
             t0 = time.perf_counter()
-            jaxlib_v = setup(version, venv, python, args.fresh, args.extras, log)
-        if jaxlib_v is None:
+            resolved = setup(version, venv, python, args.fresh, args.extras, log)
+        if resolved is None:
             rows.append((version, "-", subset, dict.fromkeys(COUNTS, 0), 0.0, 0.0,
                          time.perf_counter() - t0, "SETUP FAILED"))
             status = max(status, 2)
         else:
-            ready.append((version, venv, jaxlib_v, time.perf_counter() - t0, subset))
+            ready.append((version, venv, resolved, time.perf_counter() - t0, subset))
     suites = [Suite(v, venv, args.cache_dir, pytest_args(sub, extra))
               for v, venv, _, _, sub in ready]
     if args.parallel:
         for suite in suites:
             suite.start(echo=False)
-    for suite, (version, _, jaxlib_v, t_setup, subset) in zip(suites, ready):
+    for suite, (version, _, resolved, t_setup, subset) in zip(suites, ready):
         subset += "+args" if extra else ""
         rc, out, secs, cpu = suite.finish() if args.parallel else suite.run()
         result = "ok" if rc == 0 else f"FAILED (pytest exit {rc})"
         if rc != 0:
             status = max(status, 1)
-        rows.append((version, jaxlib_v, subset, summary(out), secs, cpu, t_setup, result))
+        shown = resolved["jax"] if version == NEWEST else version
+        rows.append((shown, resolved["jaxlib"], subset, summary(out), secs, cpu, t_setup,
+                     result))
 
     print("\n" + "=" * 100)
     head = (f"{'jax':<8} {'jaxlib':<8} {'subset':<10} "
@@ -321,6 +381,8 @@ def main() -> int:
         print(f"{version:<8} {jaxlib_v:<8} {sub:<10} "
               + " ".join(f"{counts[c]:>7}" for c in COUNTS)
               + f" {secs:>8.1f} {cpu:>8.1f} {t_setup:>8.1f}  {result}")
+    for version, _, resolved, _, _ in ready:
+        print(f"{version}: {describe(resolved)}")
     print(f"total {time.perf_counter() - t_start:.0f} s; logs in {args.cache_dir}")
     return status
 

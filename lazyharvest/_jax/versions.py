@@ -34,7 +34,7 @@ def parse_version(version: str) -> tuple[int, ...]:
 JAX_VERSION = parse_version(jax.__version__)
 MIN_JAX_VERSION = (0, 8, 3)  # pyproject.toml: jax>=0.8.3,<0.13
 # scripts/compat.py: DEFAULT_VERSIONS (0.12.0 is jax 0.12.0.1)
-TESTED_JAX_VERSIONS = ((0, 8, 3), (0, 9, 2), (0, 10, 2), (0, 11, 2), (0, 12, 0))
+TESTED_JAX_VERSIONS = ((0, 8, 3), (0, 9, 2), (0, 10, 2), (0, 11, 2), (0, 12, 0), (0, 12, 1))
 
 
 def _spell(version: Sequence[int]) -> str:
