@@ -263,11 +263,15 @@ def partial_eval_keeping(previous: Callable, keep: Callable[[dict], bool]) -> Ca
     return rule
 
 
-# The eqn recipes a rule makes while `_made` holds a list (`recipes_made`):
-# jax.checkpoint's partial-eval rule stages the unknown half of its body as one
-# recipe but, unlike an ordinary primitive's, does not register it with the
-# trace's effect handles, and a half with no outputs (a dead site's tangent
-# copy, in a checkpoint nested in another) is returned by nothing.
+# The eqn recipes a rule makes on its trace while `_made` holds that trace and
+# a list (`_recipes_made`): jax.checkpoint's partial-eval rule stages the
+# unknown half of its body as one recipe but, unlike an ordinary primitive's,
+# does not register it with the trace's effect handles, and a half with no
+# outputs (a dead site's tangent copy, in a checkpoint nested in another) is
+# returned by nothing. Only the rule's own trace is recorded: the traces it
+# opens inside (a scan's body, a nested partial evaluation) end before it
+# returns, and a list holding their recipes would keep their tracers alive
+# (`jax_check_tracer_leaks` reports those traces as leaked).
 _made: contextvars.ContextVar = contextvars.ContextVar("lazyharvest_recipes", default=None)
 _new_eqn_recipe = _pe.new_eqn_recipe
 
@@ -275,8 +279,8 @@ _new_eqn_recipe = _pe.new_eqn_recipe
 def _recording_new_eqn_recipe(*args: Any, **kwargs: Any) -> Any:
     recipe = _new_eqn_recipe(*args, **kwargs)
     made = _made.get()
-    if made is not None:
-        made.append(recipe)
+    if made is not None and made[0] is (args[0] if args else kwargs.get("trace")):
+        made[1].append(recipe)
     return recipe
 
 
@@ -284,17 +288,19 @@ _pe.new_eqn_recipe = _recording_new_eqn_recipe
 
 
 @contextlib.contextmanager
-def _recipes_made():
-    """Collects the eqn recipes made inside into the list it yields; a rule
-    around this one sees them too, less those removed from the list."""
+def _recipes_made(trace: Any):
+    """Collects the eqn recipes made on `trace` inside into the list it
+    yields; a rule around this one on the same trace sees them too, less
+    those removed from the list."""
     made: list = []
-    token = _made.set(made)
+    token = _made.set((trace, made))
     try:
         yield made
     finally:
         _made.reset(token)
-        if _made.get() is not None:
-            _made.get().extend(made)
+        outer = _made.get()
+        if outer is not None and outer[0] is trace:
+            outer[1].extend(made)
 
 
 def partial_eval_keeping_staged(previous: Callable, keep: Callable[[Jaxpr], bool]) -> Callable:
@@ -303,7 +309,7 @@ def partial_eval_keeping_staged(previous: Callable, keep: Callable[[Jaxpr], bool
     output that anything uses, when `keep(body)` says its body must (it
     holds tangent sites), as an ordinary primitive with an effect stays."""
     def rule(trace, *tracers, **params):
-        with _recipes_made() as made:
+        with _recipes_made(trace) as made:
             outs = previous(trace, *tracers, **params)
         held = {id(h.recipe) for h in trace.effect_handles}
         for recipe in made:
@@ -329,7 +335,7 @@ def partial_eval_with_a_linear_input(previous: Callable,
     body being evaluated forward. (The split of a body that reads no input
     with a tangent leaves its staged half with none.)"""
     def rule(trace, *tracers, **params):
-        with _recipes_made() as made:
+        with _recipes_made(trace) as made:
             outs = previous(trace, *tracers, **params)
             recipe = next((r for r in (getattr(o, "recipe", None) for o in outs)
                            if isinstance(r, _pe.JaxprEqnRecipe)), None)
