@@ -485,7 +485,8 @@ _jax.register_partial_eval_rule(_jax.remat_p, lambda previous: (
 
 
 # A backward function whose output cotangents are all zero (the output does
-# not depend on the differentiated inputs) still records its sites' zeros.
+# not depend on the differentiated inputs) still records its sites' zeros
+# (while a harvest is traced: the hook is in force only then).
 _jax.show_to_backward_pass(
     lambda jaxpr: bool(active_tags()) and _jaxpr_holds(jaxpr, _DERIVATIVE))
 

@@ -62,11 +62,19 @@ _jax.keep_effects_in_cond_partial_eval(SowEffect)
 
 # (tags harvested, nest scopes, tags whose sows are dropped: `consuming`)
 _EMPTY_STATE: tuple[frozenset, tuple, frozenset] = (frozenset(), (), frozenset())
-_state = jax.make_user_context(default_value=_EMPTY_STATE)
+_context = jax.make_user_context(default_value=_EMPTY_STATE)
+
+
+@contextlib.contextmanager
+def _state(value: tuple[frozenset, tuple, frozenset]) -> Iterator[None]:
+    """The harvest state is `value` in this block, and the hooks that act on
+    it are in force (outside every such block JAX runs its own rules alone)."""
+    with _jax.hooks_in_force(), _context(value):
+        yield
 
 
 def _current() -> tuple[frozenset, tuple, frozenset]:
-    value = _state.value
+    value = _context.value
     return _EMPTY_STATE if value is None else value
 
 

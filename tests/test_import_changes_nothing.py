@@ -1,11 +1,50 @@
 """Importing lazyharvest changes nothing (SPEC section 9, docs/semantics.md)."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 
 import lazyharvest as lh
+from lazyharvest import _jax
+from lazyharvest.primitive import harvesting
+
+
+def _hooked(prim) -> bool:
+    return "bind_with_trace" in vars(prim)
+
+
+def test_custom_call_hooks_are_in_force_only_inside_a_harvest_or_scope():
+    # outside, JAX binds its custom calls with no frame of ours (its own
+    # tests count the frames inside a custom_vjp's functions)
+    prims = (_jax.custom_jvp_call_p, _jax.custom_vjp_call_p)
+    if not _jax.CUSTOM_CALL_HOOKS:
+        pytest.skip(f"jax {jax.__version__}: the custom calls are not hooked")
+    assert not any(map(_hooked, prims))
+    seen = []
+    lh.nest(lambda: seen.append(all(map(_hooked, prims))), scope="s")()
+    with harvesting("t"):
+        seen.append(all(map(_hooked, prims)))
+    assert seen == [True, True] and not any(map(_hooked, prims))
+    # in force while any thread is inside such a block
+    inside, leave = threading.Event(), threading.Event()
+
+    def other():
+        with harvesting("t"):
+            inside.set()
+            leave.wait(30)
+    t = threading.Thread(target=other)
+    t.start()
+    inside.wait(30)
+    with harvesting("t"):
+        pass
+    seen.append(all(map(_hooked, prims)))
+    leave.set()
+    t.join()
+    assert seen[-1] and not any(map(_hooked, prims))
 
 
 def _scan_closing_over(a):

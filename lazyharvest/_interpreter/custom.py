@@ -447,10 +447,14 @@ def _vjp_rule_sites(args: Sequence[Any], avals: Sequence[Any], params: dict) -> 
 
 
 if _jax.CUSTOM_CALL_HOOKS:  # (jax 0.8: these sites stay unreaped)
+    # (they act on a harvest's tags and nest scopes only: outside, JAX binds
+    # its custom calls with no frame of ours, `_jax.hooks_in_force`)
     _jax.register_bind_hook(_jax.custom_jvp_call_p,
-                            _make_custom_bind(_jvp_with_sites, _jvp_rule_sites))
+                            _make_custom_bind(_jvp_with_sites, _jvp_rule_sites),
+                            only_in_force=True)
     _jax.register_bind_hook(_jax.custom_vjp_call_p,
-                            _make_custom_bind(_fwd_with_sites, _vjp_rule_sites))
+                            _make_custom_bind(_fwd_with_sites, _vjp_rule_sites),
+                            only_in_force=True)
 
 
 def _custom_vmap(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call, **_) -> list:

@@ -107,6 +107,7 @@ from lazyharvest._jax.differentiation import (  # noqa: F401
     differentiable,
     differentiation_kind,
     has_tangent,
+    hooks_in_force,
     linear_zero,
     linearization_rules,
     has_effects,

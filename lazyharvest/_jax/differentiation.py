@@ -4,9 +4,11 @@ transposes of jit/scan/cond that must run a body holding sites."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -70,24 +72,78 @@ def remat_rule(prim: Primitive) -> Callable:
     return pe.partial_eval_jaxpr_custom_rules[prim]
 
 
-def register_bind_hook(prim: Primitive, make_rule: Callable[[Callable], Callable]) -> None:
+# --- hooks in force only while lazyharvest's state is set --------------------
+# A custom call's bind hook, and the wrapper of its backward function, act
+# only while a harvest is traced or a nest scope is entered (lazyharvest's
+# state, per thread): they are installed while some thread is in such a block
+# (`hooks_in_force`) and taken back after, so that JAX runs its own rules
+# without a frame of ours in between. JAX counts the frames inside a
+# custom_vjp's function, forward and backward rules (its tests/api_test.py,
+# TracebackTest: `len(inspect.stack())`, every frame, not the traceback it
+# filters for users, which hides the package's frames anyway:
+# lazyharvest/__init__.py), and importing lazyharvest must change nothing a
+# program can see.
+_WHILE_IN_FORCE: list[tuple[Callable[[], None], Callable[[], None]]] = []
+_in_force = [0]  # threads inside `hooks_in_force`
+_in_force_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def hooks_in_force() -> Iterator[None]:
+    """The hooks registered to act only in such a block are installed while
+    any thread is inside one."""
+    with _in_force_lock:
+        if _in_force[0] == 0:
+            for put, _ in _WHILE_IN_FORCE:
+                put()
+        _in_force[0] += 1
+    try:
+        yield
+    finally:
+        with _in_force_lock:
+            _in_force[0] -= 1
+            if _in_force[0] == 0:
+                for _, take_back in _WHILE_IN_FORCE:
+                    take_back()
+
+
+def _while_in_force(put: Callable[[], None], take_back: Callable[[], None]) -> None:
+    with _in_force_lock:
+        _WHILE_IN_FORCE.append((put, take_back))
+        if _in_force[0]:
+            put()
+
+
+def register_bind_hook(prim: Primitive, make_rule: Callable[[Callable], Callable],
+                       only_in_force: bool = False) -> None:
     """Every bind of `prim` goes through `make_rule(default)(trace, args, avals,
-    params)`; `default` is JAX's own `bind_with_trace`."""
+    params)`; `default` is JAX's own `bind_with_trace`. With `only_in_force`,
+    only inside `hooks_in_force` blocks (JAX's own elsewhere)."""
     default = type(prim).bind_with_trace  # a custom call's class has its own
     if BIND_TAKES_AVALS:
-        def base(trace, args, avals, params):
-            return default(prim, trace, args, avals, params)
-        prim.def_bind_with_trace(make_rule(base))
+        hook = make_rule(functools.partial(default, prim))
     else:  # jax < 0.9: bind_with_trace(trace, args, params), no avals
         def base(trace, args, avals, params):
             return default(prim, trace, args, params)
         rule = make_rule(base)
-        prim.def_bind_with_trace(lambda trace, args, params: rule(
-            trace, args, tuple(jax.typeof(x) for x in args), params))
+
+        def hook(trace, args, params):
+            return rule(trace, args, tuple(jax.typeof(x) for x in args), params)
     # The hook's frames are not the user's: keep them out of eqns' source info.
     for path in (os.path.dirname(__file__) + os.sep, make_rule.__code__.co_filename):
         if path not in _source_info_util._exclude_paths:
             _source_info_util.register_exclusion(path)
+    if not only_in_force:
+        prim.def_bind_with_trace(hook)
+        return
+    before = vars(prim).get("bind_with_trace")
+
+    def take_back() -> None:
+        if before is None:
+            vars(prim).pop("bind_with_trace", None)
+        else:
+            prim.def_bind_with_trace(before)
+    _while_in_force(lambda: prim.def_bind_with_trace(hook), take_back)
 
 
 def replace_subfuns(params: dict, make: Callable[..., tuple | None]) -> dict:
@@ -102,7 +158,7 @@ def replace_subfuns(params: dict, make: Callable[..., tuple | None]) -> dict:
 def wrap_custom_lin_bwd(make: Callable[[Any], Any]) -> None:
     """The transpose of a custom_vjp call's linear part runs `make(bwd)` in
     place of its backward function `bwd` (JAX's wrapped function), or `bwd`
-    where `make` returns None."""
+    where `make` returns None; inside `hooks_in_force` blocks only."""
     prim = _ad.custom_lin_p
     table = (_ad.fancy_transposes if prim in _ad.fancy_transposes
              else _ad.primitive_transposes)  # (jax < 0.11)
@@ -114,10 +170,19 @@ def wrap_custom_lin_bwd(make: Callable[[Any], Any]) -> None:
         new = make(params["bwd"])
         return original(cts, *args, **(params if new is None else dict(params, bwd=new)))
     rule._lazyharvest = True  # type: ignore[attr-defined]
-    table[prim] = rule
-    node = getattr(_ad, "vjp_node", None)  # (see wrap_transpose)
-    if node is not None and table is _ad.fancy_transposes:
-        _ad.fancy_transposes[node(prim)] = rule
+    # jax >= 0.12 stages custom_lin under `jax.vjp` as a VJP node (see wrap_transpose)
+    node = getattr(_ad, "vjp_node", None) if table is _ad.fancy_transposes else None
+
+    def put() -> None:
+        table[prim] = rule
+        if node is not None:
+            table[node(prim)] = rule
+
+    def take_back() -> None:
+        table[prim] = original
+        if node is not None:
+            table[node(prim)] = original
+    _while_in_force(put, take_back)
 
 
 def call_bwd(bwd: Any, *args: Any) -> tuple:
@@ -472,7 +537,8 @@ def show_to_backward_pass(show: Callable[[Jaxpr], bool]) -> None:
     returns at once when every cotangent reaching it is zero (an output that
     does not depend on the differentiated inputs) and the jaxpr has no
     effect. A jaxpr for which `show(jaxpr)` holds (it holds cotangent sites
-    to record) runs with an effect shown, so its sites get their zeros."""
+    to record) runs with an effect shown, so its sites get their zeros;
+    inside `hooks_in_force` blocks only (a frame in every backward pass)."""
     original = getattr(_ad, "backward_pass3", None)
     if original is None or getattr(original, "_lazyharvest", False):
         return
@@ -484,7 +550,8 @@ def show_to_backward_pass(show: Callable[[Jaxpr], bool]) -> None:
             jaxpr = jaxpr.replace(effects=jaxpr.effects | {keep_effect})
         return original(jaxpr, transform_stack, consts, primals_in, cotangents_in)
     backward_pass3._lazyharvest = True  # type: ignore[attr-defined]
-    _ad.backward_pass3 = backward_pass3
+    _while_in_force(lambda: setattr(_ad, "backward_pass3", backward_pass3),
+                    lambda: setattr(_ad, "backward_pass3", original))
 
 
 def internals() -> dict[str, Any]:

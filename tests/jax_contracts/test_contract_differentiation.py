@@ -361,6 +361,26 @@ def test_primitive_def_bind_with_trace(tmp_path):
         f"Primitive.def_bind_with_trace no longer hooks every bind on jax {V}: {seen}")
 
 
+def test_primitive_without_a_bind_with_trace_of_its_own(tmp_path):
+    """lazyharvest assumes JAX's primitives (custom calls included) hold no
+    `bind_with_trace` of their own (`vars(prim)`), so that removing the one
+    `def_bind_with_trace` set makes binds go to JAX's default again
+    (differentiation.register_bind_hook, `only_in_force`)."""
+    for prim in (layer_core.custom_jvp_call_p, layer_core.custom_vjp_call_p):
+        with layer.hooks_in_force():
+            pass
+        assert "bind_with_trace" not in vars(prim), (
+            f"{prim} has a bind_with_trace of its own on jax {V}")
+    prim = _sin_like("lh_contract_unhook")
+    seen = []
+    default = type(prim).bind_with_trace
+    prim.def_bind_with_trace(lambda *rest: seen.append(1) or default(prim, *rest))
+    prim.bind(jnp.float32(0.5))
+    del vars(prim)["bind_with_trace"]
+    close(prim.bind(jnp.float32(0.5)), jnp.sin(0.5))
+    assert seen == [1], f"a removed bind_with_trace still hooks binds on jax {V}: {seen}"
+
+
 def test_source_info_register_exclusion(tmp_path):
     """lazyharvest assumes `source_info_util.register_exclusion(path)` (listed in
     `_exclude_paths`), made before eqns are staged from files under `path`, keeps
@@ -605,7 +625,8 @@ def test_custom_lin_transpose_gets_the_backward_function_as_bwd(monkeypatch):
     prim = layer._ad.custom_lin_p
     table = (layer._ad.fancy_transposes if prim in layer._ad.fancy_transposes
              else layer._ad.primitive_transposes)
-    installed = table[prim]
+    with layer.hooks_in_force():  # (JAX's own outside)
+        installed = table[prim]
     assert getattr(installed, "_lazyharvest", False), (
         f"the package's transpose of custom_lin is not in the table it reads on jax {V}")
     seen = []
