@@ -11,12 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-
 from lazyharvest import _jax
 from lazyharvest._interpreter.plumbing import finish, invar_avals, trace_body
 from lazyharvest._interpreter.run import EVAL_RULES, Run, bind
-from lazyharvest.errors import HarvestError
 
 
 def _jit(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, in_shardings,
@@ -65,14 +62,12 @@ EVAL_RULES[_jax.remat_p] = _remat
 def _high_level(run: Run, eqn: _jax.JaxprEqn, invals: list, *, _prim, **_) -> list:
     """Sites inside a high-level primitive are not harvested yet: refused,
     naming the flag that made JAX stage it (docs/compat.md), rather than
-    left unreaped."""
+    left unreaped; one holding only sites the filters leave out is bound
+    unchanged."""
     flag = _jax.hi_prim_flag(_prim)
-    what = f"{type(_prim).__name__}" + (f", which JAX stages with {flag} on," if flag else "")
-    fix = (f"Turn the flag off for this program (jax.config.update({flag!r}, False)),"
-           " or move" if flag else "Move")
-    raise HarvestError(
-        f"harvest of tag {run.harvest.tag!r}: sites inside {what} are not supported "
-        f"yet on jax {jax.__version__}. {fix} the sow outside it.")
+    what = (f"{type(_prim).__name__} (from {type(_prim).__module__})"
+            + (f", which JAX stages with {flag} on," if flag else ""))
+    return run.opaque(eqn, invals, what=what, flag=flag, yet=True)
 
 
 if _jax.call_hi_primitive_p is not None:  # (jax >= 0.10)

@@ -24,6 +24,7 @@ from lazyharvest._interpreter.sites import (
     contains_sites,
     evaluation_order,
     raw_key,
+    selected_site,
 )
 from lazyharvest.errors import HarvestError
 from lazyharvest.keys import PRIMAL, VJP, Label
@@ -526,12 +527,36 @@ class Run:
         if contains_sites(eqn, self.harvest.tag):
             rule = EVAL_RULES.get(prim)
             if rule is None:
-                raise HarvestError(
-                    f"harvest of tag {self.harvest.tag!r}: sites inside the "
-                    f"higher-order primitive {prim.name!r} are not supported. "
-                    f"Move the sow outside it.")
+                return self.opaque(eqn, invals)
             return rule(self, eqn, invals, **eqn.params)
         return bind(eqn, invals)
+
+    def opaque(self, eqn: _jax.JaxprEqn, invals: list, what: str | None = None,
+               flag: str | None = None, yet: bool = False) -> list:
+        """An eqn holding sites of this harvest's tag that it cannot look
+        into (no rule for its primitive): bound unchanged when it holds only
+        sites the filters leave out (they stay sites, for harvests outside
+        this one, as in `sow`); a site the harvest takes is an error naming
+        the primitive (`what`; where it comes from) and what to do (`flag`:
+        the `jax_*3` flag that made JAX stage it; `yet`: a JAX primitive
+        lazyharvest is to support, named with the JAX version)."""
+        site = selected_site(eqn, self.harvest)
+        if site is None:
+            return bind(eqn, invals)
+        if what is None:
+            origin = _jax.primitive_origin(eqn.primitive)
+            what = (f"the higher-order primitive {eqn.primitive.name!r}"
+                    + (f" (from {origin})" if origin else "")
+                    + ", which lazyharvest has no rule for,")
+        fixes = ([f"turn the flag off for this program (jax.config.update({flag!r}, False))"]
+                 if flag else []) + ["move the sow outside it", (
+                     "leave the site out of this harvest with allowlist= or blocklist= "
+                     "(a site filtered out stays in place, as the identity)")]
+        fix = ", ".join(fixes[:-1]) + ", or " + fixes[-1]
+        raise HarvestError(
+            f"{self.harvest.where(raw_key(site))}: sites inside {what} are not "
+            f"supported{f' yet on jax {jax.__version__}' if yet else ''}. "
+            f"{fix[0].upper()}{fix[1:]}.")
 
     def sow(self, params: dict, vals: list) -> list:
         h = self.harvest

@@ -88,6 +88,21 @@ def contains_sites(eqn: _jax.JaxprEqn, tag: Hashable) -> bool:
     return any(jaxpr_has_sites(j, tag) for j in sub_jaxprs(eqn.params))
 
 
+def selected_site(eqn: _jax.JaxprEqn, harvest: Harvest) -> dict | None:
+    """The params of a site inside `eqn`'s bodies, at any depth, that
+    `harvest` takes (its tag, through its filters); None if it takes none."""
+    for jaxpr in sub_jaxprs(eqn.params):
+        for e in jaxpr.eqns:
+            p = e.params
+            if e.primitive is sow_p and harvest.owns(p) and harvest.selects(p):
+                return p
+            if e.primitive is not sow_p and contains_sites(e, harvest.tag):
+                found = selected_site(e, harvest)
+                if found is not None:
+                    return found
+    return None
+
+
 def has_masked_sites(jaxpr: _jax.Jaxpr, tag: Hashable) -> bool:
     """Whether `jaxpr` holds, at any depth, a masked site of `tag`."""
     return any((e.primitive is sow_p and e.params["tag"] == tag and is_masked(e.params))

@@ -34,6 +34,7 @@ from lazyharvest._jax.core import (  # noqa: F401
     call_hi_primitive_p,
     hi_prim_flag,
     hi_prim_jaxprs,
+    primitive_origin,
     UNSPECIFIED,
     ArrayImpl,
     ClosedJaxpr,

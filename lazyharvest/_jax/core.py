@@ -170,6 +170,45 @@ def hi_prim_flag(x: Any) -> str | None:
     return None
 
 
+# --- where a primitive comes from (for error messages) ---------------------------
+
+_NOT_A_LIBRARY = ("jax", "jaxlib", "functools", "builtins")
+
+
+def _outside_jax(module: Any) -> bool:
+    return isinstance(module, str) and module.split(".")[0] not in _NOT_A_LIBRARY
+
+
+def primitive_origin(prim: Primitive) -> str | None:
+    """The module that defines `prim`: its class's, for a class of its own
+    outside JAX; else that of the innermost function outside JAX its
+    implementation (`prim.impl`, set by `def_impl`) calls through wrappers
+    (`functools.partial`, `__wrapped__`, closures: Equinox's
+    `filter_primitive_def` wraps the library's function in its own). None
+    where none is found (a primitive defined by JAX, or without an impl)."""
+    if _outside_jax(type(prim).__module__):
+        return type(prim).__module__
+    found, seen = None, set()
+    layer = [getattr(prim, "impl", None)]
+    for _ in range(4):  # wrappers are shallow; a closure may hold anything
+        deeper: list = []
+        for f in layer:
+            if not callable(f) or id(f) in seen:
+                continue
+            seen.add(id(f))
+            if isinstance(f, functools.partial):
+                deeper.append(f.func)
+                continue
+            if _outside_jax(getattr(f, "__module__", None)):
+                found = f.__module__
+            deeper.append(getattr(f, "__wrapped__", None))
+            for cell in getattr(f, "__closure__", None) or ():
+                with contextlib.suppress(ValueError):  # (an empty cell)
+                    deeper.append(cell.cell_contents)
+        layer = deeper
+    return found
+
+
 
 def hide_frames_below(path: str) -> None:
     """Frames from files under `path` are dropped from users' tracebacks."""

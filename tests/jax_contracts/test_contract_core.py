@@ -549,6 +549,19 @@ def test_jax_core_eval_jaxpr():
     close(jax.core.eval_jaxpr(closed.jaxpr, closed.consts, 2., 5.), [[2., 4.], 3.])
 
 
+def test_primitive_def_impl_sets_impl():
+    """lazyharvest assumes `Primitive.def_impl(f)` keeps `f` as the primitive's
+    `impl` attribute, which a library's primitive sets to its own function
+    (core.primitive_origin: where a primitive comes from, for errors)."""
+    def impl(x):
+        return x
+    prim = layer.Primitive("contract_impl")
+    prim.def_impl(impl)
+    assert prim.impl is impl, f"Primitive.def_impl no longer sets .impl on jax {V}"
+    assert layer.primitive_origin(prim) == __name__
+    assert layer.primitive_origin(lax.sin_p) is None  # (JAX's own)
+
+
 def test_source_info_user_context():
     """lazyharvest assumes re-binding an eqn inside `source_info_util.user_context(
     traceback, name_stack=...)` gives the new eqn the old one's name stack and
