@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import weakref
 
+import jax
 import jax.numpy as jnp
 
 from lazyharvest import _jax
@@ -52,15 +53,26 @@ def _linearize(is_vjp, nonzeros, *primals, path, **params):
     outs = sow_p.bind(*primals, path=path + (PRIMAL,), **params)
     masked = is_masked(params)  # the tangent site reads the primal mask
     mask = outs[-1:] if masked else []
+    floats = _has_float_leaf(primals[:len(primals) - masked])
 
     def linearized(residuals, *tangents):
         n = len(tangents) - len(residuals)
         tangents = [_jax.ad.instantiate_zeros(t) for t in tangents[:n]]
+        if not floats:  # (section 2b of docs/semantics.md: `_has_float_leaf`)
+            return [*tangents, *(_jax.Zero(m.aval.to_tangent_aval()) for m in residuals)]
         with _jax.keep_staged(_holds_tangent_sites):
             outs_t = sow_p.bind(*tangents, *residuals, path=path + (JVP,),
                                 **tangent_params(params))
         return [*outs_t[:n], *(_jax.Zero(m.aval.to_tangent_aval()) for m in residuals)]
     return outs, [True] * (len(outs) - masked) + [False] * masked, mask, linearized
+
+
+def _has_float_leaf(leaves) -> bool:
+    """Whether a site with these leaves has a tangent site: an integer or
+    boolean site has none (docs/semantics.md, section 2b), also where its
+    tangent is not a symbolic zero but a float0 value (read from the tangent
+    of an integer Ref), which JAX differentiates like any other."""
+    return any(_jax.differentiable(jax.typeof(x)) for x in leaves)
 
 
 def _dce(used_outputs, eqn):

@@ -288,7 +288,10 @@ def _jvp(primals, tangents, *, path, **params):
     if is_masked(params):
         *tangents, t = tangents
         mask_t = [t]
-    if all(type(t) is _jax.Zero for t in tangents):
+    if all(type(t) is _jax.Zero for t in tangents) or not any(
+            _jax.differentiable(jax.typeof(x)) for x in primals[:len(tangents)]):
+        # (an integer or boolean site has no tangent site, also where its
+        # tangent is a float0 value read from an integer Ref's tangent)
         return outs, [*tangents, *mask_t]
     tangents = [_jax.ad.instantiate_zeros(t) for t in tangents]
     mask = outs[-1:] if mask_t else []

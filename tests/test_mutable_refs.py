@@ -110,3 +110,122 @@ def test_cotangent_planted_into_the_backward_pass_of_a_ref_program():
     ct = 0.25
     expected = jax.grad(lambda x: counter(x) + ct * (2 * x) ** 2)(X)
     close(lh.plant(jax.grad(counter), tag="t")({("vjp", "y"): ct}, X), expected)
+
+
+# --- a jitted cell taking a float Ref and an integer Ref (issue 33) --------------------
+# Outside a harvest `sow` is the identity: jax.grad of the program with a sow
+# in the cell is jax.grad of the program without it (the integer Ref's float0
+# tangent Ref once reached JAX's transpose, which cannot make its
+# accumulator: "'TypedNdArray' object has no attribute 'committed'").
+
+CELL_KINDS = ["scan", "unrolled", "gated", "checkpointed", "nested"]
+
+
+def _append(h):
+    return lh.sow(h, tag="t", name="h", mode="append")
+
+
+def _count(c):
+    return lh.sow(c, tag="t", name="steps", mode="append")
+
+
+def cell_program(kind, site=lambda h: h, count=lambda c: c):
+    """`program(xs, eps) -> (loss, values at the site)`: a jitted cell reading
+    and writing a float sum Ref and counting its calls in an int32 Ref,
+    called in a `lax.scan` (or a Python loop: "unrolled"); `site` marks the
+    value, `eps` perturbs it (one column per occurrence in a call), `count`
+    marks the count read from the Ref (an integer site)."""
+    @jax.jit
+    def cell(x, w, e, total, steps):
+        if kind == "nested":  # two occurrences per call, in a scan of its own
+            def inner(_, ej):
+                v = jnp.tanh(x + total[...])
+                h = site(v) + ej
+                total[...] = total[...] + h
+                steps[...] = count(steps[...]) + 1
+                return None, (h, v)
+            _, (hs, vs) = lax.scan(inner, None, e)
+            return jnp.sum(hs), vs
+        v = jnp.tanh(x + total[...])
+        if kind == "checkpointed":
+            h = jax.checkpoint(lambda x, t: site(jnp.tanh(x + t)))(x, total[...])
+        else:
+            h = site(v)
+        h = h + e[0]
+        if kind == "gated":  # `w` reaches the output without a tangent
+            h = h * (w > 0)
+        total[...] = total[...] + h
+        steps[...] = count(steps[...]) + 1
+        return h, v[None]
+
+    def program(xs, eps):
+        total = jax.new_ref(jnp.zeros(()))
+        steps = jax.new_ref(jnp.zeros((), jnp.int32))
+        if kind == "unrolled":
+            outs = [cell(xs[i], xs[i] - 0.15, eps[i], total, steps) for i in range(len(xs))]
+            hs, vs = jnp.stack([h for h, _ in outs]), jnp.stack([v for _, v in outs])
+        else:
+            _, (hs, vs) = lax.scan(lambda c, a: (c, cell(a[0], a[0] - 0.15, a[1], total, steps)),
+                                   None, (xs, eps))
+        return total[...] ** 2 + jnp.sum(hs) + steps[...].astype(jnp.float32) / 10, vs.reshape(-1)
+    return program
+
+
+CELL_XS = jnp.array([0.1, 0.2, 0.3])
+
+
+def _per_call(kind):
+    return 2 if kind == "nested" else 1
+
+
+def _zeros(kind):
+    return jnp.zeros((3, _per_call(kind)))
+
+
+def _loss(program, kind):
+    return lambda xs: program(xs, _zeros(kind))[0]
+
+
+def _jax_differentiates_the_cell_program() -> bool:
+    try:
+        jax.grad(_loss(cell_program("scan"), "scan"))(CELL_XS)
+    except AttributeError:  # (jax 0.10: "DynamicJaxprTracer has no attribute accum")
+        return False
+    return True
+
+
+needs_jax_ref_grads = pytest.mark.skipif(
+    not _jax_differentiates_the_cell_program(),
+    reason=f"jax {jax.__version__} itself cannot differentiate a Ref passed to a jitted "
+           f"function in a scan")
+
+
+@needs_jax_ref_grads
+@pytest.mark.parametrize("kind", CELL_KINDS)
+def test_a_sow_in_a_cell_with_an_integer_ref_changes_no_plain_gradient(kind):
+    for site, count in ((_append, lambda c: c), (lambda h: h, _count), (_append, _count)):
+        sown = _loss(cell_program(kind, site, count), kind)
+        plain = _loss(cell_program(kind), kind)
+        expected = jax.grad(plain)(CELL_XS)
+        close(jax.grad(sown)(CELL_XS), expected)
+        close(jax.jit(jax.grad(sown))(CELL_XS), expected)
+        close(jax.value_and_grad(sown)(CELL_XS), jax.value_and_grad(plain)(CELL_XS))
+
+
+@needs_jax_ref_grads
+@pytest.mark.parametrize("kind", CELL_KINDS)
+def test_a_cell_with_an_integer_ref_reaps_values_and_cotangents_under_grad(kind):
+    plain, sown = cell_program(kind), _loss(cell_program(kind, _append, _count), kind)
+    d = lh.reap(jax.grad(sown), tag="t")(CELL_XS)
+    close(d["h"], plain(CELL_XS, _zeros(kind))[1])
+    # the count, an integer site, has no derivative key (docs/semantics.md, 2b)
+    close(d["steps"], jnp.arange(3 * _per_call(kind)))
+    assert set(d) == {"h", "steps", ("vjp", "h")}, d
+    # zero-perturbation: d loss / d eps at eps = 0, occurrence by occurrence
+    close(d["vjp", "h"], jax.grad(lambda e: plain(CELL_XS, e)[0])(_zeros(kind)).reshape(-1))
+    # forward mode (jitted: jax 0.12 cannot jvp these Refs eagerly, sow or not)
+    t = jnp.ones(3)
+    d = lh.reap(jax.jit(lambda x: jax.jvp(sown, (x,), (t,))[1]), tag="t")(CELL_XS)
+    assert set(d) == {"h", "steps", ("jvp", "h")}, d
+    close(d["jvp", "h"], jax.jit(lambda x: jax.jvp(
+        lambda x: plain(x, _zeros(kind))[1], (x,), (t,))[1])(CELL_XS))

@@ -149,53 +149,83 @@ def wrap_dce_rule(prim: Primitive, keep: Callable[[JaxprEqn], bool],
             return used_inputs, eqn
         if new_eqn is None:  # a jit whose body uses no input: kept whole
             return [True] * len(eqn.invars), eqn
-        if all(used_inputs) or not (prim is jit_p or made_linear(eqn)):
-            return used_inputs, new_eqn
         # The backward pass transposes an eqn only if one of its inputs is
         # linear; otherwise it evaluates it forward: the sites inside get no
         # cotangent, and a custom_vjp's linear part inside cannot run. DCE
         # may drop every linear input (it cannot tell them from residuals)
         # when the body's only linear values are made inside (a constant
         # site's zero tangent; in a jit, also the zero tangent given to a
-        # cond or scan holding sites): keep them all.
-        return [True] * len(eqn.invars), _keeping_inputs(used_outputs, eqn, new_eqn)
+        # cond or scan holding sites): keep them all, but those that carry
+        # no cotangent (`_no_cotangent`).
+        kept = [u or not _no_cotangent(v) for u, v in zip(used_inputs, eqn.invars)]
+        if kept == list(used_inputs) or not (prim is jit_p or made_linear(eqn)):
+            return used_inputs, new_eqn
+        return _keeping_inputs(used_outputs, eqn, new_eqn, kept)
     rule._lazyharvest = True  # type: ignore[attr-defined]
     pe.dce_rules[prim] = rule
 
 
-def _keeping_inputs(used_outputs: Sequence[bool], eqn: JaxprEqn,
-                    dced: JaxprEqn) -> JaxprEqn:
-    """`dced` (a jit, scan, cond or remat eqn after JAX's DCE rule) reading every
-    input of `eqn` again: its bodies' unused binders are kept.
+def _no_cotangent(v: Any) -> bool:
+    """Whether input `v` carries no cotangent: a float0 value or a Ref of one
+    (the tangent of an integer value or Ref). Such an input never makes an
+    eqn transposed, and JAX's scan transpose cannot make the accumulator of
+    a float0 Ref nothing wrote (`new_ref` of a NumPy zero fails on jax 0.12):
+    one DCE dropped stays dropped."""
+    return getattr(getattr(v, "aval", None), "dtype", None) == jax.dtypes.float0
+
+
+def _keeping_inputs(used_outputs: Sequence[bool], eqn: JaxprEqn, dced: JaxprEqn,
+                    keep: Sequence[bool]) -> tuple[list[bool], JaxprEqn]:
+    """`dced` (a jit, scan, cond or remat eqn after JAX's DCE rule) reading
+    again the inputs of `eqn` that `keep` selects (and any its bodies still
+    read): its bodies' binders for them are kept, and writes into a Ref
+    input not kept are dead. Returns (the inputs read, the eqn).
 
     Not `eqn` whole: a scan kept whole (or a jit holding one) would keep
     unused extensive outputs, whose symbolic zero cotangents JAX's scan
     transpose cannot take.
     """
     p = eqn.params
-    used = list(used_outputs)
-    if eqn.primitive is cond_p:
-        params = dict(dced.params, branches=tuple(_dce_keeping_binders(b, used)
-                                                  for b in p["branches"]))
+    used, keep = list(used_outputs), list(keep)
+    if eqn.primitive is cond_p:  # (operand 0, the index, is read)
+        ins = [True] + _union(_dce_keeping_binders(b.jaxpr, used, keep[1:])[1]
+                              for b in p["branches"])
+        params = dict(dced.params, branches=tuple(
+            ClosedJaxpr(_dce_keeping_binders(b.jaxpr, used, ins[1:])[0], b.consts)
+            for b in p["branches"]))
     elif eqn.primitive is scan_p:  # every carry stays: a carry in needs its carry out
-        num_carry = scan_counts(p)[1]
+        num_consts, num_carry = scan_counts(p)
         used[:num_carry] = [True] * num_carry
-        params = scan_params(p, _dce_keeping_binders(p["jaxpr"], used), *scan_counts(p),
-                             linear=lambda lin: lin)
+        keep[num_consts:num_consts + num_carry] = [True] * num_carry
+        body, ins = _dce_keeping_binders(p["jaxpr"].jaxpr, used, keep)
+        params = scan_params(p, ClosedJaxpr(body, p["jaxpr"].consts), sum(ins[:num_consts]),
+                             num_carry,
+                             linear=lambda lin: tuple(x for x, i in zip(lin, ins) if i))
     elif eqn.primitive is remat_p:  # (its body is a Jaxpr without consts)
-        params = dict(dced.params,
-                      jaxpr=pe.dce_jaxpr(p["jaxpr"], used, instantiate=True)[0])
-    else:  # jit: the per-output parameters as DCE left them, per-input ones whole
-        params = dict(dced.params, jaxpr=_dce_keeping_binders(p["jaxpr"], used),
-                      **{k: p[k] for k in ("in_shardings", "in_layouts", "donated_invars")})
+        body, ins = _dce_keeping_binders(p["jaxpr"], used, keep)
+        params = dict(dced.params, jaxpr=body)
+    else:  # jit: the per-output parameters as DCE left them, per-input ones kept
+        body, ins = _dce_keeping_binders(p["jaxpr"].jaxpr, used, keep)
+        params = dict(dced.params, jaxpr=ClosedJaxpr(body, p["jaxpr"].consts), **{
+            k: tuple(x for x, i in zip(p[k], ins) if i)
+            for k in ("in_shardings", "in_layouts", "donated_invars")})
+    invars = [v for v, i in zip(eqn.invars, ins) if i]
     outvars = [v for v, u in zip(eqn.outvars, used) if u]
-    return new_jaxpr_eqn(eqn.invars, outvars, eqn.primitive, params, dced.effects,
-                         eqn.source_info, eqn.ctx)
+    return ins, new_jaxpr_eqn(invars, outvars, eqn.primitive, params, dced.effects,
+                              eqn.source_info, eqn.ctx)
 
 
-def _dce_keeping_binders(body: ClosedJaxpr, used_outputs: list[bool]) -> ClosedJaxpr:
-    jaxpr, _ = pe.dce_jaxpr(body.jaxpr, used_outputs, instantiate=True)
-    return ClosedJaxpr(jaxpr, body.consts)
+def _union(masks: Any) -> list[bool]:
+    return [any(bits) for bits in zip(*masks)]
+
+
+def _dce_keeping_binders(jaxpr: Jaxpr, used_outputs: Sequence[bool],
+                         keep: Sequence[bool]) -> tuple[Jaxpr, list[bool]]:
+    """`jaxpr` computing `used_outputs` with the binders `keep` selects and
+    those it reads; writes into a Ref binder not kept are dead. Returns (the
+    jaxpr, which binders it has)."""
+    live = {"live_inputs": list(keep)} if DCE_LIVE_INPUTS else {}
+    return pe.dce_jaxpr(jaxpr, list(used_outputs), instantiate=list(keep), **live)
 
 
 def register_partial_eval_rule(prim: Primitive, make_rule: Callable) -> None:

@@ -68,6 +68,37 @@ def test_pe_dce_jaxpr():
     assert used == [True, True], f"pe.dce_jaxpr's instantiate changed on jax {V}"
 
 
+@pytest.mark.skipif(not versions.DCE_LIVE_INPUTS, reason="no live inputs before jax 0.12")
+def test_pe_dce_jaxpr_live_inputs():
+    """lazyharvest assumes `pe.dce_jaxpr(..., live_inputs=...)` drops the writes
+    into a Ref input marked not live that nothing in the jaxpr reads, and
+    keeps those into a live one (partial_eval._dce_keeping_binders)."""
+    def body(x, r):
+        r[...] = x * 2
+        return [x + 1]
+    jaxpr = jax.make_jaxpr(body)(1., jax.new_ref(0.)).jaxpr
+    dced, used = layer.pe.dce_jaxpr(jaxpr, [True], instantiate=[False, False],
+                                    live_inputs=[True, False])
+    assert used == [True, False] and len(dced.eqns) == 1, (
+        f"pe.dce_jaxpr's live_inputs changed on jax {V}: {used}, {dced}")
+    _, used = layer.pe.dce_jaxpr(jaxpr, [True], instantiate=[False, False],
+                                 live_inputs=[True, True])
+    assert used == [True, True], f"pe.dce_jaxpr's live_inputs changed on jax {V}"
+
+
+@pytest.mark.skipif(not hasattr(jax, "new_ref"), reason="no jax.new_ref")
+def test_tangent_of_an_integer_ref_is_a_float0_ref():
+    """lazyharvest assumes the tangent of an integer Ref is a Ref whose aval's
+    `dtype` is float0, as for an integer value's tangent, and a float Ref's
+    tangent is not (partial_eval._no_cotangent)."""
+    int_ref = jax.typeof(jax.new_ref(jnp.zeros((), jnp.int32)))
+    float_ref = jax.typeof(jax.new_ref(jnp.zeros(())))
+    assert int_ref.dtype == jnp.int32, f"a Ref's aval has no dtype on jax {V}"
+    assert int_ref.to_tangent_aval().dtype == jax.dtypes.float0, (
+        f"an integer Ref's tangent changed on jax {V}: {int_ref.to_tangent_aval()}")
+    assert float_ref.to_tangent_aval().dtype == jnp.float32
+
+
 def test_pe_dce_rules_calling_convention(monkeypatch):
     """lazyharvest assumes `pe.dce_jaxpr` calls `pe.dce_rules[prim](used_outputs,
     live_inputs, eqn)` exactly where `versions.DCE_LIVE_INPUTS` is set, else
