@@ -194,7 +194,8 @@ def _make_partial_eval(previous):
     def partial_eval(trace, *tracers, **params):
         if _is_derivative(params):
             return _jax.partial_eval_kept(trace, sow_p, tracers, params,
-                                          linear=bool(params.get("constant")))
+                                          linear=bool(params.get("constant")),
+                                          primal=int(is_masked(params)))
         return previous(trace, *tracers, **params)
     return partial_eval
 

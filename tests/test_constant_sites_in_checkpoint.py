@@ -236,3 +236,32 @@ def test_the_cases_of_issue_31():
     d = reaped(jax.grad(append_rows), X)
     close(d["s1"], jnp.tile(W, (3, 1)))
     close(d["vjp", "s1"], jnp.zeros((3, 3)))
+
+
+def _masked_site_in_a_constant_checkpoint(x, e=None):
+    # a plain jax.vmap of a cond whose taken branch sows: the site carries a
+    # mask (the rows that sow it), a primal value even where the site is linear
+    def blk(a):
+        def row(p, v, er):  # er: this row's perturbation (plain JAX)
+            sown = (lambda v: lh.sow(jnp.sin(v), tag="t", name="s0", mode="clobber")) if (
+                e is None) else (
+                lambda v: jnp.sin(v) + er)
+            return lax.cond(p > 0, sown, jnp.cos, v)
+        preds, operands = jnp.array([1.0, -1.0]), jnp.stack([a, -a])
+        if e is None:
+            return jax.vmap(lambda p, v: row(p, v, None))(preds, operands)
+        return jax.vmap(row)(preds, operands, e)
+    return jnp.sum(jax.checkpoint(blk)(lax.stop_gradient(x)) * x)
+
+
+def test_regression_masked_site_in_a_constant_checkpoint_under_reverse_mode():
+    # (the wide law-5 run) the backward function raised TypeError: the zero
+    # made linear for the constant site read its mask from a fresh reference
+    # too, so the mask was an undefined primal in the transpose
+    rows = jnp.stack([X, -X])
+    want = jax.vjp(lambda e: _masked_site_in_a_constant_checkpoint(X, e),
+                   jnp.zeros_like(rows))[1](CT)[0]
+    close(want[1], 0.0)  # the second row takes the other branch: no occurrence
+    d = reaped(jax.vjp(_masked_site_in_a_constant_checkpoint, X)[1], CT)
+    assert set(d.keys()) == {"s0"}
+    close(d["s0"], want)

@@ -255,17 +255,20 @@ def linear_unknown(trace: Any, x: Any) -> Any:
 
 
 def partial_eval_kept(trace: Any, prim: Primitive, tracers: Sequence[Any],
-                      params: dict, linear: bool = False) -> list:
+                      params: dict, linear: bool = False, primal: int = 0) -> list:
     """Partial evaluation of `prim` as JAX does it by default, except that an
     eqn it stages stays in the jaxpr even if no output is used (as an eqn
     with an effect would). With `linear`, an eqn whose inputs are all known
     is staged too, its inputs read from fresh references: the backward pass
     that transposes the staged jaxpr then treats it as linear (a cotangent
-    reaches it), as it treats JAX's own references."""
+    reaches it), as it treats JAX's own references. The last `primal`
+    inputs (a mask) are staged as they are: they stay primal values."""
     tracers = list(tracers)
     if linear and all(t.is_known() for t in tracers):
+        n = len(tracers) - primal
         with _core.set_current_trace(trace):
-            tracers = [read_from_a_fresh_ref(trace.instantiate_const(t)) for t in tracers]
+            tracers = [read_from_a_fresh_ref(trace.instantiate_const(t)) if i < n
+                       else trace.instantiate_const(t) for i, t in enumerate(tracers)]
     outs = trace.default_process_primitive(prim, tracers, params)
     recipe = getattr(outs[0], "recipe", None) if outs else None
     if isinstance(recipe, _pe.JaxprEqnRecipe):
