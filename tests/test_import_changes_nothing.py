@@ -1,17 +1,41 @@
-"""Importing lazyharvest changes nothing (SPEC section 9, docs/semantics.md)."""
+"""Importing lazyharvest changes nothing (SPEC section 9, docs/semantics.md).
 
+In this process: the hooks that act only in a harvest are in force only
+then, and the programs of issue 32 that leaked traces. Then two subprocesses
+run the same corpus of programs, no harvest anywhere, one after `import
+lazyharvest` and one without it (tests/import_differential.py says what each
+records). Everything they record must be identical: the jaxprs of jit, grad,
+vjp, jvp, linearize, vmap and checkpoint traced with `jax_check_tracer_leaks`
+on (or the errors), their values, the device arrays left alive, stack depths
+inside the functions JAX calls and filtered tracebacks. The random programs
+run there with `sow` the identity; run again with lazyharvest's `sow`
+(outside any harvest, so the identity too) they must give the same values;
+their jaxprs hold the sites (and, under differentiation, the dead and
+constant sites of docs/semantics.md section 2a), so only values and
+outcomes are compared.
+"""
+
+import os
+import pickle
+import re
+import subprocess
+import sys
 import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from import_differential import WITHOUT_MODULES
 from jax import lax
 
 import lazyharvest as lh
 from lazyharvest import _jax
+from lazyharvest import testing as T
 from lazyharvest.primitive import harvesting
 
+# --- in this process ----------------------------------------------------------------
 
 def _hooked(prim) -> bool:
     return "bind_with_trace" in vars(prim)
@@ -80,3 +104,199 @@ def test_regression_checkpointed_sites_around_a_scan_leak_no_trace():
     # the dead site of the linear function (SPEC 9): its tangent
     tangent = jax.jvp(lambda x: f(jnp.cos(x)), (1.0,), (1.0,))[1]
     np.testing.assert_allclose(lh.reap(linear, tag="t")(1.0)["k"], tangent, rtol=1e-6)
+
+
+# --- two processes ---------------------------------------------------------------------
+
+slow = pytest.mark.slow  # the two processes: about a minute on two cores
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HELPER = os.path.join(HERE, "import_differential.py")
+N_RANDOM = 12  # random programs, and a third as many with several backward passes
+SOWN = "sown: "
+
+
+def _draw(strategy, n: int) -> list:
+    drawn: list = []
+
+    @settings(max_examples=n, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(p):
+        drawn.append(p)
+    collect()
+    return drawn[:n]
+
+
+def _programs() -> list:
+    """Random programs, deterministic: (body, output, tree_input, tag) each."""
+    progs = _draw(T.programs(), N_RANDOM) + _draw(T.programs(include=T.OPT_IN), N_RANDOM // 3)
+    return [(p.body, p.output, p.tree_input, p.tag) for p in progs]
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory) -> tuple[dict, dict, int]:
+    """(with lazyharvest, without it, how many random programs)."""
+    tmp = tmp_path_factory.mktemp("import")
+    programs = _programs()
+    (tmp / "programs.pkl").write_bytes(pickle.dumps(programs))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_TRACEBACK_FILTERING="remove_frames",
+               PYTHONPATH=os.path.dirname(HERE))
+    procs = {side: subprocess.Popen(
+        [sys.executable, HELPER, side, str(tmp / "programs.pkl"), str(tmp / f"{side}.pkl")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for side in ("with", "without")}
+    for side, p in procs.items():
+        log = p.communicate(timeout=900)[0]
+        assert p.returncode == 0, f"the {side!r} side failed:\n{log[-4000:]}"
+    got, want = (pickle.loads((tmp / f"{s}.pkl").read_bytes()) for s in ("with", "without"))
+    return got, want, len(programs)
+
+
+def _same_values(a, b, exact: bool) -> bool:
+    la, lb = _leaves(a), _leaves(b)
+    if len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if not (np.array_equal(x, y, equal_nan=True) if exact
+                else np.allclose(x, y, rtol=1e-6, atol=1e-6, equal_nan=True)):
+            return False
+    return True
+
+
+def _leaves(tree) -> list:
+    if isinstance(tree, dict):
+        return [v for k in sorted(tree) for v in _leaves(tree[k])]
+    if isinstance(tree, (tuple, list)):
+        return [v for x in tree for v in _leaves(x)]
+    return [tree]
+
+
+def _first_difference(a: str, b: str) -> str:
+    for i, (x, y) in enumerate(zip(a.splitlines(), b.splitlines())):
+        if x != y:
+            return f"line {i}: {x.strip()[:200]!r} != {y.strip()[:200]!r}"
+    return "lengths differ"
+
+
+def _differences(name: str, got: dict, want: dict) -> list[str]:
+    """How one program's records differ (`got`: with lazyharvest)."""
+    if set(got) != set(want):
+        return [f"{name}: transformations {sorted(got)} != {sorted(want)}"]
+    bad = []
+    for t, g in got.items():
+        w = want[t]
+        if not isinstance(g, dict):  # an issue program's measure
+            if g != w:
+                bad.append(f"{name} [{t}]: {g!r} != {w!r}")
+        elif g["jaxpr"] != w["jaxpr"]:  # (or the errors, leaked traces among them)
+            bad.append(f"{name} [{t}] jaxpr: {_first_difference(g['jaxpr'], w['jaxpr'])}")
+        elif isinstance(g.get("value"), str) or isinstance(w.get("value"), str):
+            if g.get("value") != w.get("value"):
+                bad.append(f"{name} [{t}] value: {g.get('value')!r} != {w.get('value')!r}")
+        elif "value" in g and not _same_values(g["value"], w["value"], exact=True):
+            bad.append(f"{name} [{t}] values differ")
+    return bad
+
+
+@slow
+def test_importing_lazyharvest_changes_nothing(records):
+    got, want, n_random = records
+    assert got["jax"] == want["jax"]
+    # the `without` side never ran the package (only the programs' description)
+    assert set(want["lazyharvest modules"]) <= WITHOUT_MODULES
+    assert "lazyharvest.derivative_sites" in got["lazyharvest modules"]
+    assert set(got["programs"]) == set(want["programs"]) | {
+        SOWN + name for name in want["programs"] if name.startswith("random ")}
+    bad: list[str] = []
+    for name, w in want["programs"].items():
+        bad += _differences(name, got["programs"][name], w)
+    for what in ("depths", "tracebacks", "live arrays at the end"):
+        if got[what] != want[what]:
+            bad.append(f"{what}: {got[what]!r} != {want[what]!r}")
+    others = len(want["programs"]) - n_random
+    print(f"compared {len(want['programs'])} programs ({n_random} random ones, {others} "
+          f"models and issue programs), {len(want['depths'])} stack depths, "
+          f"{len(want['tracebacks'])} filtered tracebacks")
+    assert n_random >= 12 and others >= 10 and len(want["depths"]) >= 10
+    assert not bad, "importing lazyharvest changed:\n" + "\n".join(bad)
+
+
+def _sown_pairs(records):
+    got, want, _ = records
+    for name, rec in got["programs"].items():
+        if name.startswith(SOWN):
+            plain = want["programs"][name[len(SOWN):]]
+            for t, g in rec.items():
+                yield f"{name} [{t}]", t, g, plain[t]
+
+
+def _outcome(r: dict) -> str | None:
+    """The error tracing or running it raised, None if it ran."""
+    if r["primitives"] is None:
+        return r["jaxpr"]
+    return r["value"] if isinstance(r["value"], str) else None
+
+
+@slow
+def test_sow_outside_a_harvest_changes_no_value(records):
+    """Where both run, a program with lazyharvest's sites computes what it
+    computes without them, under every transformation."""
+    compared, bad = 0, []
+    for where, _, g, w in _sown_pairs(records):
+        if _outcome(g) is None and _outcome(w) is None:
+            compared += 1
+            if not _same_values(g["value"], w["value"], exact=False):
+                bad.append(where)
+    print(f"compared the values of {compared} transformed programs with and without sites")
+    assert compared >= 50
+    assert not bad, "sites outside a harvest changed values:\n" + "\n".join(bad)
+
+
+# Open (found by this test, docs/semantics.md section 2a): a program with
+# sites raises where it runs without them, outside any harvest, when a site
+# keeps JAX from dropping or skipping a part it cannot differentiate, or
+# keeps a trace's tracers where JAX keeps the trace. Any other difference
+# fails.
+DIFFERENTIATING = {"grad", "vjp", "jvp", "linearize", "checkpoint"}
+KNOWN_ERRORS = {
+    # a dead site keeps the tangent of a custom_vjp call JAX would drop (or a
+    # zero tangent given to a constant construct reaches one): forward mode
+    # cannot run it
+    "forward mode through a custom_vjp call kept for a site": (
+        {"jvp", "linearize"}, r"can't apply forward-mode autodiff \(jvp\) to a custom_vjp"),
+    # a zero tangent given to a constant construct holding sites keeps every
+    # input of it, the output of a while loop JAX skipped among them
+    "reverse mode through a while loop feeding a constant construct with sites": (
+        {"grad", "vjp", "checkpoint"},
+        r"Reverse-mode differentiation does not work for lax\.while_loop"),
+    # JAX's memoized thunks of a custom rule keep the partial evaluation's
+    # trace alive (in its caches), and with it the effect handles that keep
+    # the sites' eqns, which hold tracers of traces that ended
+    "leak checks: JAX's memoized custom-rule thunks keep the sites' effect handles": (
+        DIFFERENTIATING,
+        r"Leaked trace .*\(via .*(jvp_jaxpr_thunk|fwd_jaxpr_from_zeros|fwd_jaxpr_thunk)"),
+}
+
+
+@slow
+def test_sow_outside_a_harvest_raises_only_known_errors(records):
+    """A program with lazyharvest's sites, outside a harvest, raises where
+    it raises without them, or (open) an error of `KNOWN_ERRORS`."""
+    bad, known = [], {k: 0 for k in KNOWN_ERRORS}
+    for where, t, g, w in _sown_pairs(records):
+        err, plain = _outcome(g), _outcome(w)
+        if err == plain:
+            continue
+        kind = next((k for k, (ts, pattern) in KNOWN_ERRORS.items()
+                     if plain is None and err is not None and t in ts
+                     and re.search(pattern, err)), None)
+        if kind is None:
+            bad.append(f"{where}: {err!r} != {plain!r}")
+        else:
+            known[kind] += 1
+    print(f"known open differences: {known}")
+    assert not bad, "sites outside a harvest changed what raises:\n" + "\n".join(bad)
