@@ -265,3 +265,29 @@ def test_regression_masked_site_in_a_constant_checkpoint_under_reverse_mode():
     d = reaped(jax.vjp(_masked_site_in_a_constant_checkpoint, X)[1], CT)
     assert set(d.keys()) == {"s0"}
     close(d["s0"], want)
+
+
+def _constant_scan_in_a_checkpointed_scan_body(x, a, e=None):
+    def outer(c, xi):
+        def inner(c2, xj):
+            v = xj * 1.5
+            v = lh.sow(v, tag="t", name="s0", mode="append") if e is None else v
+            return 0.5 * c2 + jnp.tanh(v), None
+        lax.scan(inner, lax.stop_gradient(x), lax.stop_gradient(a))  # dead
+        return 0.5 * c + jnp.tanh(a * xi), None
+    return jnp.sum(lax.scan(jax.checkpoint(outer), a, a)[0])
+
+
+@pytest.mark.xfail(_jax.JAX_VERSION < (0, 11), strict=True,
+                   reason="open on jax < 0.11: docs/laws.md")
+def test_constant_scan_in_a_checkpointed_scan_body_under_grad():
+    # (the wide law-7 run) a dead constant scan nested in a checkpointed scan
+    # body: nine rows, each with a zero cotangent (it reaches no output)
+    a = jnp.array([0.2, 0.4, -0.6])
+    d = reaped(jax.grad(_constant_scan_in_a_checkpointed_scan_body), X, a)
+    rows = jnp.tile(a * 1.5, 3)  # three outer iterations of the inner scan
+    assert set(d.keys()) == {"s0", ("vjp", "s0")}
+    close(d["s0"], rows)
+    close(d["vjp", "s0"], jnp.zeros(9))
+    close(jax.grad(_constant_scan_in_a_checkpointed_scan_body)(X, a),
+          jax.grad(lambda x: _constant_scan_in_a_checkpointed_scan_body(x, a, e=0.0))(X))
