@@ -8,7 +8,7 @@ import contextlib
 import functools
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -88,23 +88,30 @@ _in_force = [0]  # threads inside `hooks_in_force`
 _in_force_lock = threading.Lock()
 
 
-@contextlib.contextmanager
-def hooks_in_force() -> Iterator[None]:
-    """The hooks registered to act only in such a block are installed while
-    any thread is inside one."""
-    with _in_force_lock:
-        if _in_force[0] == 0:
-            for put, _ in _WHILE_IN_FORCE:
-                put()
-        _in_force[0] += 1
-    try:
-        yield
-    finally:
+class _HooksInForce:
+    # (a class, not a generator: entered on every call of a `nest`ed function)
+    def __enter__(self) -> None:
+        with _in_force_lock:
+            if _in_force[0] == 0:
+                for put, _ in _WHILE_IN_FORCE:
+                    put()
+            _in_force[0] += 1
+
+    def __exit__(self, *exc: Any) -> None:
         with _in_force_lock:
             _in_force[0] -= 1
             if _in_force[0] == 0:
                 for _, take_back in _WHILE_IN_FORCE:
                     take_back()
+
+
+_HOOKS_IN_FORCE = _HooksInForce()
+
+
+def hooks_in_force() -> contextlib.AbstractContextManager:
+    """The hooks registered to act only in such a block are installed while
+    any thread is inside one."""
+    return _HOOKS_IN_FORCE
 
 
 def _while_in_force(put: Callable[[], None], take_back: Callable[[], None]) -> None:
