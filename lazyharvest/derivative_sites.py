@@ -293,8 +293,10 @@ def _differentiated(trace, kind: str, args, avals, params: dict):
     eqn's rules and its sites would never meet this level)."""
     if any(_jax.has_tangent(trace, x) for x in args) or not _bodies_hold(params, _ANY):
         return args
-    if kind == "vjp" and _bodies_hold(params, _WHILE):
-        return args  # the zero could reach a while loop: JAX would refuse it
+    if (kind == "vjp" or _jax.splitting_checkpoint()) and _bodies_hold(params, _WHILE):
+        # the zero could reach a while loop that reverse mode (or the
+        # checkpoint's split, which puts it in the linear part) would transpose
+        return args
     if kind == "jvp" and not (active_tags() or _jax.under_linearization(trace)):
         # jax.jvp's values are recorded only by a harvest (a jitted jvp is
         # retraced when one starts): no arithmetic on zeros outside one.
