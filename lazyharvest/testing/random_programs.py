@@ -195,8 +195,10 @@ def _sow_constructs(st: Sow, found: set, in_scan: bool) -> None:
 
 
 def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool,
-                in_remat: bool = False) -> None:
+                in_remat: bool = False, constant: bool = False) -> None:
     for st in body:
+        if constant and isinstance(st, Custom) and st.kind == "jvp":
+            found.add("custom_jvp_without_tangents")
         if in_remat and getattr(st, "mode", "") == "append":
             found.add("checkpoint_append")
         if set(getattr(st, "names", (getattr(st, "name", ""),))) & set(LABEL_NAMES):
@@ -219,7 +221,7 @@ def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool,
             _constructs(st.body, found, scope_depth, in_scan, in_remat)
         elif isinstance(st, Remat):
             found.update({"checkpoint"} | ({"constant_checkpoint"} if st.constant else set()))
-            _constructs(st.body, found, scope_depth, in_scan, True)
+            _constructs(st.body, found, scope_depth, in_scan, True, constant or st.constant)
         elif isinstance(st, Repeat):
             found.add("jit_layer" if st.jit else "python_loop")
             _constructs(st.body, found, scope_depth, in_scan, in_remat)
@@ -233,7 +235,8 @@ def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool,
                 found.add("constant_scan_in_checkpoint" if in_remat else "constant_scan")
             if st.remat:
                 found.add("checkpointed_scan_body")
-            _constructs(st.body, found, scope_depth, True, in_remat or st.remat)
+            _constructs(st.body, found, scope_depth, True, in_remat or st.remat,
+                        constant or st.constant)
         elif isinstance(st, Cond):
             found.update({st.kind, "site"})
             if st.sows:

@@ -68,6 +68,9 @@ CONSTRUCTS = frozenset({
     # a clobber name sown before a loop (live) and in it, on a value without a
     # tangent, inside jax.checkpoint (constant)
     "live_and_constant_clobber",
+    # derived: a custom_jvp call inside such a constant construct (its inputs
+    # have no tangent)
+    "custom_jvp_without_tangents",
     # several differentiation passes in one program (``Passes``): a Python
     # loop of jax.grad steps, a jax.grad before a lax.scan / lax.while_loop of
     # them; only drawn when asked for (``OPT_IN``)
