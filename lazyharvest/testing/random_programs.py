@@ -213,18 +213,18 @@ def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool,
                 found.add("label_scopes")
             if scope_depth >= 1:
                 found.add("nested_scope")
-            _constructs(st.body, found, scope_depth + 1, in_scan, in_remat)
+            _constructs(st.body, found, scope_depth + 1, in_scan, in_remat, constant)
         elif isinstance(st, Jit):
             found.add("jit")
             if any(isinstance(s, Sow) and s.const is not None for s in st.body):
                 found.add("constant_in_jit")
-            _constructs(st.body, found, scope_depth, in_scan, in_remat)
+            _constructs(st.body, found, scope_depth, in_scan, in_remat, constant)
         elif isinstance(st, Remat):
             found.update({"checkpoint"} | ({"constant_checkpoint"} if st.constant else set()))
             _constructs(st.body, found, scope_depth, in_scan, True, constant or st.constant)
         elif isinstance(st, Repeat):
             found.add("jit_layer" if st.jit else "python_loop")
-            _constructs(st.body, found, scope_depth, in_scan, in_remat)
+            _constructs(st.body, found, scope_depth, in_scan, in_remat, constant)
         elif isinstance(st, Scan):
             found.add("scan")
             if st.reverse:
