@@ -479,6 +479,14 @@ def _hashable(x: Any, i: int) -> Any:
 
 # --- plants ------------------------------------------------------------------
 
+def _no_site_hint(traced: Traced) -> str:
+    """What a plant of a tag no site sows says: the tags that are sown."""
+    others = sorted(map(repr, traced.other_tags))
+    return (f" No site of tag {traced.harvest.tag!r} is sown: check the tag's spelling. "
+            + (f"Tags sown in this program: {', '.join(others)}." if others
+               else "No site of any tag is sown in this program."))
+
+
 def resolve_plants(traced: Traced, plants: Any, add: bool = False
                    ) -> tuple[PlantSpec, list]:
     """Checks `plants` against the sites; returns their spec and leaves.
@@ -503,11 +511,7 @@ def resolve_plants(traced: Traced, plants: Any, add: bool = False
                 walk(prefix + keys_mod.normalize(k), v)
         else:
             shown = [keys_mod.display(k) for k in traced.raw_of]
-            others = sorted(map(repr, traced.other_tags))
-            hint = "" if shown else (
-                f" No site of tag {h.tag!r} is sown: check the tag's spelling. " + (
-                    f"Tags sown in this program: {', '.join(others)}." if others
-                    else "No site of any tag is sown in this program."))
+            hint = "" if shown else _no_site_hint(traced)
             raise HarvestError(
                 f"plant for tag {h.tag!r}: no site is sown as "
                 f"{keys_mod.display(prefix)!r}. Sites of this tag: {shown}. "

@@ -194,13 +194,18 @@ def _sow_constructs(st: Sow, found: set, in_scan: bool) -> None:
             found.add("constant_in_scan")
 
 
+def _context_constructs(st: Any, found: set, in_remat: bool, constant: bool) -> None:
+    """Constructs a statement makes by where it runs."""
+    if constant and isinstance(st, Custom) and st.kind == "jvp":
+        found.add("custom_jvp_without_tangents")
+    if in_remat and getattr(st, "mode", "") == "append":
+        found.add("checkpoint_append")
+
+
 def _constructs(body: tuple, found: set, scope_depth: int, in_scan: bool,
                 in_remat: bool = False, constant: bool = False) -> None:
     for st in body:
-        if constant and isinstance(st, Custom) and st.kind == "jvp":
-            found.add("custom_jvp_without_tangents")
-        if in_remat and getattr(st, "mode", "") == "append":
-            found.add("checkpoint_append")
+        _context_constructs(st, found, in_remat, constant)
         if set(getattr(st, "names", (getattr(st, "name", ""),))) & set(LABEL_NAMES):
             found.add("label_names")
         if isinstance(st, (Op, Bin, Lin, Red)):
