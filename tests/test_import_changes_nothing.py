@@ -103,7 +103,8 @@ def test_regression_checkpointed_sites_around_a_scan_leak_no_trace():
     np.testing.assert_allclose(got, want, rtol=1e-6)
     # the dead site of the linear function (SPEC 9): its tangent
     tangent = jax.jvp(lambda x: f(jnp.cos(x)), (1.0,), (1.0,))[1]
-    np.testing.assert_allclose(lh.reap(linear, tag="t")(1.0)["k"], tangent, rtol=1e-6)
+    if _jax.DERIVATIVE_SITES:  # jax 0.8 loses dead sites (docs/compat.md)
+        np.testing.assert_allclose(lh.reap(linear, tag="t")(1.0)["k"], tangent, rtol=1e-6)
 
 
 # --- two processes ---------------------------------------------------------------------
