@@ -56,6 +56,7 @@ class SowEffect(_jax.Effect):
 sow_effect = SowEffect()
 _jax.register_effect(SowEffect)
 _jax.keep_effects_in_cond_partial_eval(SowEffect)
+_jax.keep_effects_in_call_partial_eval(SowEffect)
 
 
 # --- harvest state: which tags are being harvested, which nest scopes apply ---
@@ -560,9 +561,9 @@ def _body_sows(params: dict) -> bool:
     return any(isinstance(e, SowEffect) for j in sub_jaxprs(params) for e in j.effects)
 
 
-# A cond holding sites is not hoisted out of a scan either (its sites would
-# be sown once, not once per iteration).
-for _prim in (_jax.cond_p, _jax.jit_p, _jax.remat_p):
+# A cond, jit, checkpoint or scan holding sites is not hoisted out of a scan
+# either (its sites would be sown once, not once per iteration).
+for _prim in (_jax.cond_p, _jax.jit_p, _jax.remat_p, _jax.scan_p):
     _jax.keep_in_scan_loops(_prim, SowEffect, _body_sows)
 
 

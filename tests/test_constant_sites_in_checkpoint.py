@@ -195,20 +195,7 @@ def test_backward_function_gives_the_cotangent_of_the_reaped_occurrence(case):
         assert any(np.any(np.asarray(v) != 0) for v in want.values())
 
 
-# Open on jax < 0.11 (docs/laws.md, "Bugs the laws found"): a constant scan
-# nested in a second scan inside jax.checkpoint, its value unused, reads
-# another occurrence's value (or zeros, and no cotangent key) under jax.grad.
-OPEN_BEFORE_0_11 = {"constant_scan-nested-unused", "constant_scan-nested-alone-unused"}
-
-
-def _grad_cases():
-    old = _jax.JAX_VERSION < (0, 11)
-    return [pytest.param(c, id=k, marks=[pytest.mark.xfail(
-        strict=True, reason="open on jax < 0.11: docs/laws.md")] if old and (
-            k in OPEN_BEFORE_0_11) else []) for k, c in CASES.items()]
-
-
-@pytest.mark.parametrize("case", _grad_cases())
+@each_case
 def test_grad_gives_values_and_cotangents_and_no_tangents(case):
     prog, values, _ = case
     d = reaped(jax.grad(prog), X)
@@ -278,8 +265,6 @@ def _constant_scan_in_a_checkpointed_scan_body(x, a, e=None):
     return jnp.sum(lax.scan(jax.checkpoint(outer), a, a)[0])
 
 
-@pytest.mark.xfail(_jax.JAX_VERSION < (0, 11), strict=True,
-                   reason="open on jax < 0.11: docs/laws.md")
 def test_constant_scan_in_a_checkpointed_scan_body_under_grad():
     # (the wide law-7 run) a dead constant scan nested in a checkpointed scan
     # body: nine rows, each with a zero cotangent (it reaches no output)

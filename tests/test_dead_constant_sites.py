@@ -179,6 +179,34 @@ def test_dead_cond_in_a_live_checkpoint_outside_reap():
     close(jax.vjp(h, X)[1](1.)[0], jnp.cos(X))
 
 
+@pytest.mark.parametrize("inner", ["checkpoint", "jit", None])
+def test_regression_dead_scan_of_a_checkpointed_body_in_a_live_checkpoint(inner):
+    # (the law-7 property test) a dead scan whose body is a checkpoint, in a
+    # checkpoint whose output is used: the transpose of the outer checkpoint
+    # partially evaluates its linear part, where the scan's staged half has
+    # no output; it was dropped, and the backward function built outside the
+    # harvest had no key for the site
+    wrap = {"checkpoint": jax.checkpoint, "jit": jax.jit, None: lambda f: f}[inner]
+
+    def block(v, a):
+        def body(c, xi):
+            t = lh.sow(jnp.cos(xi), tag="t", name="s", mode="append")
+            return 0.5 * c + jnp.tanh(t), t
+        lax.scan(wrap(body), v, a)  # dead
+        return jnp.cos(v + v)
+
+    def h(x, a):
+        return jnp.sum(jnp.cos(jax.checkpoint(block)(x, a)))
+    a = jnp.array([1.8, 1.5, -0.8])
+    bwd = reaped(jax.vjp(h, 0.76, a)[1], 1.)
+    assert set(bwd.keys()) == {"s"}
+    close(bwd["s"], jnp.zeros(3))  # one zero cotangent per row
+    lin = reaped(jax.linearize(h, 0.76, a)[1], 1., TX)
+    close(lin["s"], jax.jvp(jnp.cos, (a,), (TX,))[1])
+    want = jax.grad(lambda x: jnp.sum(jnp.cos(jnp.cos(x + x))))(0.76)
+    close(jax.grad(h)(0.76, a), want)  # outside a harvest: as before
+
+
 # --- constant sites: no dependence on the differentiated inputs -----------------
 
 def ppo(x, e=None):

@@ -201,7 +201,7 @@ def test_law7_reverse_mode_keys(pa):
 @needs_derivative_sites
 @FEW
 # (the constant constructs of checkpoints: test_laws_on_constant_sites_in_checkpoints)
-@given(program_and_args(exclude={"while"} | CUSTOM | REVERSE_BUGS | CONSTANT_IN_CHECKPOINT))
+@given(program_and_args(exclude={"while"} | CUSTOM | REVERSE_BUGS))
 def test_law7_strict_keys(pa):
     # every derivative key, dead and constant sites included (SPEC 9)
     p, args = pa
@@ -258,8 +258,6 @@ def _check_law(law, p, args, seed):
 
 @needs_derivative_sites
 @slow
-# (open on jax < 0.11: constant scans nested in checkpointed scans, docs/laws.md)
-@pytest.mark.xfail(_jax.JAX_VERSION < (0, 11), strict=False, reason="open on jax < 0.11")
 @pytest.mark.parametrize("law", [1, 2, 5, 6, 7])
 @FEW
 @given(st.data())

@@ -140,6 +140,7 @@ from lazyharvest._jax.partial_eval import (  # noqa: F401
     default_dce_rule,
     extra_dce_rules,
     keep_effect,
+    keep_effects_in_call_partial_eval,
     keep_effects_in_cond_partial_eval,
     keep_in_scan_loops,
     keep_ref_writing_hi_prims,

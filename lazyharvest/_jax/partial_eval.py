@@ -283,15 +283,17 @@ def partial_eval_keeping(previous: Callable, keep: Callable[[dict], bool]) -> Ca
     `jax.checkpoint` partially evaluates the body's jvp, and would drop a
     loop whose tangent sites nothing uses)."""
     def rule(trace, *tracers, **params):
-        outs = previous(trace, *tracers, **params)
-        if keep(params):
-            seen: set = set()
-            for out in outs:
-                recipe = getattr(out, "recipe", None)
-                if isinstance(recipe, _pe.JaxprEqnRecipe) and id(recipe) not in seen:
-                    seen.add(id(recipe))
-                    trace.effect_handles.append(
-                        _pe.EffectHandle(list(recipe.in_tracers), recipe))
+        if not keep(params):
+            return previous(trace, *tracers, **params)
+        # (the staged eqn is found among the recipes made, not from the
+        # outputs: a loop of dead sites has none)
+        with _recipes_made(trace) as made:
+            outs = previous(trace, *tracers, **params)
+        held = {id(h.recipe) for h in trace.effect_handles}
+        for recipe in made:
+            if id(recipe) not in held and keep(recipe.params):
+                held.add(id(recipe))
+                trace.effect_handles.append(_pe.EffectHandle(list(recipe.in_tracers), recipe))
         return outs
     return rule
 
@@ -502,6 +504,32 @@ def keep_in_scan_loops(prim: Primitive, effect_type: type,
         return rule
 
     register_partial_eval_rule(prim, make_rule)
+
+
+def keep_effects_in_call_partial_eval(effect_type: type) -> None:
+    """A call (`closed_call`) whose body holds an eqn with `effect_type`
+    stays in the unknown half of a partial evaluation even when none of its
+    outputs is used, as a primitive with that effect does. jax < 0.11 stages
+    such a call (`JaxprTrace.process_call`) without registering it with the
+    trace's effect handles, so scan's loop-invariant hoisting lost the site
+    of a scan nested in a checkpointed scan (jax 0.11 has no `process_call`:
+    calls are ordinary primitives there)."""
+    original = getattr(_pe.JaxprTrace, "process_call", None)
+    if original is None or getattr(original, "_lazyharvest", False):
+        return
+
+    def process_call(trace, primitive, f, tracers, params, /):
+        with _recipes_made(trace) as made:
+            outs = original(trace, primitive, f, tracers, params)
+        held = {id(h.recipe) for h in trace.effect_handles}
+        for recipe in made:
+            if (recipe.primitive is primitive and id(recipe) not in held
+                    and any(isinstance(e, effect_type) for e in recipe.effects)):
+                trace.effect_handles.append(_pe.EffectHandle(list(recipe.in_tracers), recipe))
+        return outs
+
+    process_call._lazyharvest = True  # type: ignore[attr-defined]
+    _pe.JaxprTrace.process_call = process_call  # type: ignore[method-assign, attr-defined, unused-ignore]
 
 
 def internals() -> dict[str, Any]:

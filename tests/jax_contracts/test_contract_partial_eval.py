@@ -511,3 +511,35 @@ def test_checkpoint_partial_eval_makes_its_staged_eqn_with_new_eqn_recipe(monkey
     assert remats(_partial_eval(fn)), (
         f"jax.checkpoint's partial evaluation no longer makes its staged eqn with "
         f"pe.new_eqn_recipe, or effect handles no longer keep it, on jax {V}")
+
+
+def test_process_call_keeps_a_call_holding_an_effect():
+    """jax < 0.11 partially evaluates a call (`closed_call`) in
+    `JaxprTrace.process_call` and stages its unknown half without registering
+    it with the trace's effect handles, so a half with no used output is
+    lost; lazyharvest wraps `process_call` to register it when its effects
+    hold the site's (partial_eval.keep_effects_in_call_partial_eval, reading
+    `JaxprEqnRecipe.primitive` and `.effects`). jax >= 0.11 has no
+    `process_call`: calls are primitives with rules of their own."""
+    import lazyharvest as lh
+    from lazyharvest.primitive import harvesting
+
+    original = getattr(layer._pe.JaxprTrace, "process_call", None)
+    if versions.JAX_VERSION >= (0, 11):
+        assert original is None, f"JaxprTrace.process_call is back on jax {V}"
+        return
+    assert getattr(original, "_lazyharvest", False), (
+        f"lazyharvest's wrapper of JaxprTrace.process_call is not installed on jax {V}")
+
+    def body(y):
+        lh.sow(y * 2., tag="lh_contract", name="a")
+        return []
+
+    def fn(x):
+        layer_core.closed_call(body, x)
+        return [x * 3.]
+    with harvesting("lh_contract"):
+        kept = [e.primitive for e in _partial_eval(fn).eqns]
+    assert layer_core.closed_call_p in kept, (
+        f"a call holding a site, none of whose outputs is used, is dropped by "
+        f"JaxprTrace.process_call on jax {V}")
