@@ -263,21 +263,7 @@ def _sow_linen(apply: Callable, site: tuple, keep: Filter) -> Callable:
     def sown_apply(*args: Any, **kwargs: Any) -> Any:
         # Flax's own per-thread interceptor stack, active for this call only.
         with nn.intercept_methods(interceptor):
-            try:
-                return apply(*args, **kwargs)
-            except ValueError as e:
-                if _BROADCAST_CHECK not in str(e):
-                    raise
-                import flax
-                raise HarvestError(
-                    f"sow_modules: flax {flax.__version__}'s nn.scan checks that its "
-                    f"variable_broadcast variables do not depend on the loop by dead-code "
-                    f"elimination, which keeps the sites of a harvest inside the loop body "
-                    f"and so fails. Sites inside nn.scan with variable_broadcast need flax "
-                    f"<= 0.12.8 (the last release for Python 3.11); or leave the scanned "
-                    f"module out with `filter`.") from e
+            return apply(*args, **kwargs)
     return sown_apply
 
 
-# The error flax >= 0.12.9's nn.scan raises when a site is inside its body.
-_BROADCAST_CHECK = "broadcasted variable has a data dependency on the scan body"

@@ -490,9 +490,19 @@ def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
     if not leaves or _jax.in_eager_mode() or tag in _current()[2]:
         return value
     tags, scopes, _ = _current()
+    effect = tag in tags and _jax.traced_for() not in CHECK_TRACES
     outs = sow_p.bind(*leaves, tag=tag, name=name, mode=mode, scopes=scopes,
-                      path=(), tree=tree, effect=tag in tags, recompute=False)
+                      path=(), tree=tree, effect=effect, recompute=False)
     return jax.tree_util.tree_unflatten(tree, outs)
+
+
+# Traces a library makes only to check a body, not to run it: it DCEs their
+# jaxpr and reads which inputs stay live. A site there is no occurrence, and
+# bound with its effect it would keep its inputs live: Flax's nn.scan (flax >=
+# 0.12.9) then says a broadcast variable depends on the loop. There a site is
+# bound without its effect, so DCE drops it; the body Flax scans is traced
+# again, with its sites.
+CHECK_TRACES = frozenset({"flax scan"})
 
 
 _SOWN = threading.local()
@@ -537,14 +547,7 @@ class _Stop(Exception):
         self.vals = vals
 
 
-def sub_jaxprs(params: dict) -> Iterator[Any]:
-    """The bodies (jaxprs) among an eqn's `params`."""
-    for v in params.values():
-        for x in v if isinstance(v, (tuple, list)) else (v,):
-            if isinstance(x, _jax.ClosedJaxpr):
-                yield x.jaxpr
-            elif isinstance(x, _jax.Jaxpr):
-                yield x
+sub_jaxprs = _jax.sub_jaxprs
 
 
 def _sows(jaxpr: Any) -> Iterator[dict]:

@@ -294,21 +294,51 @@ class Recurrent(nn.Module):
         return scan()(jnp.zeros(3), xs)[1]
 
 
-def _flax_checks_broadcast_by_dce() -> bool:
-    """flax >= 0.12.9 (Python >= 3.12): nn.scan's loop-invariance check."""
-    import flax
-    return tuple(int(p) for p in flax.__version__.split(".")[:3]) >= (0, 12, 9)
+class SownCell(nn.Module):
+    @nn.compact
+    def __call__(self, c, x):
+        h = lh.sow(jnp.tanh(nn.Dense(3)(c) + x), tag="t", name="h", mode="append")
+        return h, h
+
+
+class SownRecurrent(nn.Module):
+    @nn.compact
+    def __call__(self, xs):
+        scan = nn.scan(SownCell, variable_broadcast="params", split_rngs={"params": False})
+        return jnp.sum(scan()(jnp.zeros(3), xs)[1] ** 2)
+
+
+def _recurrent_by_hand(p, xs, e=None):
+    """SownRecurrent in plain JAX; `e[t]` added to the site at step t."""
+    c, hs = jnp.zeros(3), []
+    for t, x in enumerate(xs):
+        c = jnp.tanh(c @ p["kernel"] + p["bias"] + x) + (0.0 if e is None else e[t])
+        hs.append(c)
+    return jnp.sum(jnp.stack(hs) ** 2), jnp.stack(hs)
+
+
+def test_linen_scan_with_variable_broadcast_and_a_site_in_the_cell():
+    # (issue 33, item 4) flax >= 0.12.9 checks that broadcast variables do not
+    # depend on the loop by DCE of the body; a site there must not keep its
+    # inputs live (lazyharvest.primitive.CHECK_TRACES)
+    model, xs = SownRecurrent(), jnp.linspace(-1, 1, 12).reshape(4, 3)
+    variables = model.init(jax.random.key(0), xs)
+    p = variables["params"]["ScanSownCell_0"]["Dense_0"]
+    loss, hs = _recurrent_by_hand(p, xs)
+    out, d = lh.call_and_reap(model.apply, tag="t")(variables, xs)
+    close(out, loss)
+    close(d["h"], hs)  # one row per step
+    grads, g = lh.call_and_reap(jax.grad(model.apply), tag="t")(variables, xs)
+    close(grads["params"]["ScanSownCell_0"]["Dense_0"]["kernel"],
+          jax.grad(lambda k: _recurrent_by_hand(dict(p, kernel=k), xs)[0])(p["kernel"]))
+    close(g["h"], hs)
+    e = jax.grad(lambda e: _recurrent_by_hand(p, xs, e)[0])(jnp.zeros((4, 3)))
+    close(g["vjp", "h"], e)
 
 
 def test_linen_scan_needs_append_and_stacks():
     model, xs = Recurrent(), jnp.linspace(-1, 1, 12).reshape(4, 3)
     variables = model.init(jax.random.key(0), xs)
-    if _flax_checks_broadcast_by_dce():  # a clear error instead of flax's own
-        for mode in ("strict", "append"):
-            apply = lh.sow_modules(model.apply, tag=T, mode=mode)
-            with pytest.raises(lh.HarvestError, match=r"flax 0\.12\.\d+'s nn.scan"):
-                lh.reap(lambda x: apply(variables, x), tag=T)(xs)
-        return
     with pytest.raises(lh.HarvestError, match="append"):
         lh.reap(lambda x: lh.sow_modules(model.apply, tag=T)(variables, x), tag=T)(xs)
     apply = lh.sow_modules(model.apply, tag=T, mode="append")
@@ -325,6 +355,47 @@ def test_linen_module_instance_gets_a_hint(linen):
     model, _, _ = linen
     with pytest.raises(TypeError, match=r"model\.apply"):
         lh.sow_modules(model, tag=T)
+
+
+# --- NNX with ref-backed Variables (issue 33, item 6) ---------------------------
+
+class SownMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(3, 4, rngs=rngs)
+        self.l2 = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x, e=0.0, sow=True):
+        h = jnp.tanh(self.l1(x))
+        return self.l2((lh.sow(h, tag="t", name="h") if sow else h) + e)
+
+
+@pytest.mark.parametrize("kind", ["hijax", "ref"])
+def test_nnx_ref_backed_variables(kind):
+    if not hasattr(nnx, "var_defaults"):
+        pytest.skip(f"flax {flax.__version__} has no nnx.var_defaults")
+    with nnx.var_defaults(**{kind: True}):
+        m = SownMLP(nnx.Rngs(0))
+    x = jnp.array([0.5, -1.0, 0.3])
+    kernel1, bias1 = jnp.asarray(m.l1.kernel[...]), jnp.asarray(m.l1.bias[...])
+    kernel2, bias2 = jnp.asarray(m.l2.kernel[...]), jnp.asarray(m.l2.bias[...])
+    h = jnp.tanh(x @ kernel1 + bias1)
+
+    def loss(x, e=0.0):  # plain JAX
+        return jnp.sum(((jnp.tanh(x @ kernel1 + bias1) + e) @ kernel2 + bias2) ** 2)
+    out, d = lh.call_and_reap(lambda x: m(x), tag="t")(x)
+    close(out, (h @ kernel2 + bias2))
+    close(d["h"], h)
+    g, dg = lh.call_and_reap(jax.grad(lambda x: jnp.sum(m(x) ** 2)), tag="t")(x)
+    close(g, jax.grad(loss)(x))
+    close(dg["vjp", "h"], jax.grad(loss, argnums=1)(x, jnp.zeros(4)))
+    close(lh.plant(lambda x: m(x), tag="t")({"h": jnp.ones(4)}, x), jnp.ones(4) @ kernel2 + bias2)
+    apply = lh.sow_modules(m, tag=T)
+    dm = lh.reap(apply, tag=T)(x)
+    close(dm["l1", "__call__"], x @ kernel1 + bias1)
+    gm = lh.reap(jax.grad(lambda x: jnp.sum(apply(x) ** 2)), tag=T)(x)
+    close(gm["vjp", "l2", "__call__"], 2 * (h @ kernel2 + bias2))
+    # the model is untouched: its Variables hold what they held
+    close(m.l1.kernel[...], kernel1)
 
 
 # --- example -----------------------------------------------------------------

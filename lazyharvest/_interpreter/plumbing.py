@@ -228,8 +228,4 @@ def finish(run: Run, body: Body, outs: list, inner: Run | None = None) -> list:
 
 def strip_sites(run: Run, closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
     """The body with this harvest's sites consumed (identity), nothing reaped."""
-    quiet = run.nested({}, {}, want=lambda k: False)
-    jaxpr, consts = _jax.trace_flat(
-        lambda *a: quiet.eval(closed.jaxpr, closed.consts, a),
-        invar_avals(closed.jaxpr))
-    return _jax.ClosedJaxpr(jaxpr, consts)
+    return run.stripped(closed)

@@ -19,10 +19,14 @@ import jax.numpy as jnp
 
 from lazyharvest import _jax
 from lazyharvest._interpreter.sites import (
+    EVAL_RULES,
     Harvest,
     RawKey,
     contains_sites,
+    count_occurrences,
     evaluation_order,
+    implementation,
+    jaxpr_has_sites,
     raw_key,
     selected_site,
 )
@@ -243,9 +247,6 @@ class Plant:
         return tuple(order)
 
 
-EvalRule = Callable[..., list]
-EVAL_RULES: dict[_jax.Primitive, EvalRule] = {}
-"""`rule(run, eqn, invals, **eqn.params) -> outvals` for an eqn holding sites."""
 
 
 class Run:
@@ -527,9 +528,44 @@ class Run:
         if contains_sites(eqn, self.harvest.tag):
             rule = EVAL_RULES.get(prim)
             if rule is None:
-                return self.opaque(eqn, invals)
+                return self.through_implementation(eqn, invals)
             return rule(self, eqn, invals, **eqn.params)
         return bind(eqn, invals)
+
+    def through_implementation(self, eqn: _jax.JaxprEqn, invals: list) -> list:
+        """The generic path through a higher-order primitive with no rule of
+        its own (a library's, such as lineax's `linear_solve`): its sites are
+        harvested in its implementation (`impl`), where they run as often and
+        in the order they run in the primitive. The outputs come from the
+        primitive itself, its bodies stripped of this harvest's sites, so its
+        own differentiation, batching and transposition rules stay in force
+        for whatever transforms the harvested program; where a plant reaches
+        a site inside, the planted program's outputs come from the
+        implementation (docs/semantics.md, section 10b)."""
+        impl = implementation(eqn)
+        if impl is None or selected_site(eqn, self.harvest) is None:
+            return self.opaque(eqn, invals)
+        planted = bool(self.plants) and any(
+            k in self.plants for k in count_occurrences(impl.jaxpr, self.harvest))
+        outs = self.eval(impl.jaxpr, impl.consts, invals)
+        if planted:
+            return outs
+        try:
+            params = _jax.replace_jaxprs(eqn.params, self.stripped,
+                                         lambda j: jaxpr_has_sites(j, self.harvest.tag))
+        except jax.errors.UnexpectedTracerError:
+            # (a body the implementation never runs as it is: lineax on jax
+            # 0.12 keeps one holding a tracer of the transformation that made it)
+            params = None
+        return outs if params is None else bind(eqn, invals, params)
+
+    def stripped(self, closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
+        """`closed` with this harvest's sites consumed (identity), nothing reaped."""
+        quiet = self.nested({}, {}, want=lambda k: False)
+        jaxpr, consts = _jax.trace_flat(
+            lambda *a: quiet.eval(closed.jaxpr, closed.consts, a),
+            [v.aval for v in closed.jaxpr.invars])
+        return _jax.ClosedJaxpr(jaxpr, consts)
 
     def opaque(self, eqn: _jax.JaxprEqn, invals: list, what: str | None = None,
                flag: str | None = None, yet: bool = False) -> list:

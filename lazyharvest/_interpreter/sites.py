@@ -7,7 +7,7 @@ primitive without a rule counts its sub-jaxprs once each.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import attrs
@@ -58,17 +58,7 @@ class Harvest:
         return f"harvest of tag {self.tag!r}, site {describe(key)!r}"
 
 
-def sub_jaxprs(params: dict) -> Iterable[_jax.Jaxpr]:
-    """Every jaxpr among an eqn's parameters (bodies, branches...)."""
-    for v in params.values():
-        vs = v if isinstance(v, (tuple, list)) else (v,)
-        for x in vs:
-            if isinstance(x, _jax.ClosedJaxpr):
-                yield x.jaxpr
-            elif isinstance(x, _jax.Jaxpr):
-                yield x
-            else:  # a high-level primitive's bodies (the `jax_*3` flags, jax >= 0.10)
-                yield from (getattr(j, "jaxpr", j) for j in _jax.hi_prim_jaxprs(x))
+sub_jaxprs = _jax.sub_jaxprs
 
 
 _HAS_SITES = IdentityCache()  # (jaxpr, tag) -> found
@@ -110,6 +100,29 @@ def has_masked_sites(jaxpr: _jax.Jaxpr, tag: Hashable) -> bool:
                for e in jaxpr.eqns if e.primitive is sow_p or contains_sites(e, tag))
 
 
+# --- the rules, and the generic path -------------------------------------------
+
+EvalRule = Callable[..., list]
+EVAL_RULES: dict[_jax.Primitive, EvalRule] = {}
+"""`rule(run, eqn, invals, **eqn.params) -> outvals` for an eqn holding sites
+(the rules live in `run.py` and the modules beside it; the table is here
+because counting needs to know which primitives have none)."""
+
+
+def implementation(eqn: _jax.JaxprEqn) -> _jax.ClosedJaxpr | None:
+    """For an eqn of a higher-order primitive with no rule of its own, the
+    jaxpr of its implementation, through which the harvest looks inside it
+    (its sites run there as often, and in the order, as in the primitive);
+    None for one with a rule, or with no implementation to look through."""
+    if _has_rule(eqn.primitive):
+        return None
+    return _jax.implementation(eqn)
+
+
+def _has_rule(prim: _jax.Primitive) -> bool:
+    return prim in EVAL_RULES or prim in COUNT_RULES or prim is sow_p
+
+
 # --- counting ------------------------------------------------------------------
 
 CountRule = Callable[..., Counts]
@@ -141,7 +154,7 @@ def _count_eqn(e: _jax.JaxprEqn, harvest: Harvest) -> Counts:
     if rule is not None:
         return rule(harvest, **p)
     counts: Counts = {}
-    for j in sub_jaxprs(p):
+    for j in _bodies(e, harvest.tag):
         add_counts(counts, count_occurrences(j, harvest))
     return counts
 
@@ -176,7 +189,7 @@ def _eqn_order(e: _jax.JaxprEqn, harvest: Harvest, key: RawKey,
         if k == key:
             return [0] if harvest.selects(p) else []
         return [-1] if ends(k) else []
-    orders = [evaluation_order(j, harvest, key, ends) for j in sub_jaxprs(p)]
+    orders = [evaluation_order(j, harvest, key, ends) for j in _bodies(e, harvest.tag)]
     if not any(orders):
         return []
     if any(-2 in o for o in orders):
@@ -190,6 +203,13 @@ def _eqn_order(e: _jax.JaxprEqn, harvest: Harvest, key: RawKey,
     if len(orders) == 1 and e.primitive not in COUNT_RULES:  # jit, remat, calls
         return orders[0]
     return [-2]
+
+
+def _bodies(e: _jax.JaxprEqn, tag: Hashable) -> list[_jax.Jaxpr]:
+    """The bodies whose sites `e` runs once each: its implementation's jaxpr
+    for a primitive the harvest looks through, else the jaxprs it carries."""
+    impl = implementation(e) if contains_sites(e, tag) else None
+    return [impl.jaxpr] if impl is not None else list(sub_jaxprs(e.params))
 
 
 def may_owe(jaxpr: _jax.Jaxpr, harvest: Harvest, key: RawKey) -> bool:

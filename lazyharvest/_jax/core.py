@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -33,6 +33,7 @@ except ImportError:  # jax < 0.10
     from jax._src.core import new_jaxpr_eqn
     from jax._src.effects import Effect  # noqa: F401
 
+from lazyharvest._identity_cache import MISSING, IdentityCache
 from lazyharvest._jax.versions import BIND_PARAMS_SPLIT, MERGED_JAXPR
 
 Zero = ad.Zero
@@ -162,6 +163,97 @@ def _jaxprs_in(v: Any) -> list:
     return [inner] if isinstance(inner, (Jaxpr, ClosedJaxpr)) else []
 
 
+def sub_jaxprs(params: dict) -> Iterator[Jaxpr]:
+    """Every jaxpr an eqn's params carry, at any depth of tuples, lists and
+    dicts (a library's primitive may carry them among its static params, a
+    batched one in the params of the primitive that wraps it), and inside
+    JAX's high-level primitive objects."""
+    for v in params.values():
+        yield from _jaxprs_at(v)
+
+
+def _jaxprs_at(v: Any) -> Iterator[Jaxpr]:
+    if isinstance(v, ClosedJaxpr):
+        yield v.jaxpr
+    elif isinstance(v, Jaxpr):
+        yield v
+    elif isinstance(v, (tuple, list)):
+        for x in v:
+            yield from _jaxprs_at(x)
+    elif isinstance(v, dict):
+        for x in v.values():
+            yield from _jaxprs_at(x)
+    else:
+        yield from (getattr(j, "jaxpr", j) for j in hi_prim_jaxprs(v))
+
+
+def replace_jaxprs(params: dict, fn: Callable[[ClosedJaxpr], ClosedJaxpr],
+                   which: Callable[[Jaxpr], bool]) -> dict | None:
+    """`params` with each jaxpr among them (in tuples, lists and dicts) that
+    `which` selects as `fn` rewrites it, the same signature; None where one
+    cannot be put back (an open jaxpr whose rewrite has consts, a high-level
+    primitive object)."""
+    def put(v: Any) -> Any:
+        if isinstance(v, (Jaxpr, ClosedJaxpr)) and not which(
+                v.jaxpr if isinstance(v, ClosedJaxpr) else v):
+            return v
+        if isinstance(v, ClosedJaxpr):
+            return fn(v)
+        if isinstance(v, Jaxpr):  # (its constvars: operands given where it is run)
+            n = len(v.constvars)
+            new = fn(ClosedJaxpr(consts_as_invars(v), ()))
+            if new.consts:
+                raise _CannotReplace
+            return new.jaxpr.replace(constvars=new.jaxpr.invars[:n],
+                                     invars=new.jaxpr.invars[n:])
+        if isinstance(v, (tuple, list)):
+            return type(v)(put(x) for x in v)
+        if isinstance(v, dict):
+            return {k: put(x) for k, x in v.items()}
+        if hi_prim_jaxprs(v):
+            raise _CannotReplace
+        return v
+    try:
+        return {k: put(v) for k, v in params.items()}
+    except _CannotReplace:
+        return None
+
+
+class _CannotReplace(Exception):
+    pass
+
+
+_IMPLEMENTATIONS = IdentityCache()  # (eqn,) -> ClosedJaxpr | None
+
+
+def implementation(eqn: JaxprEqn) -> ClosedJaxpr | None:
+    """The jaxpr of `eqn`'s primitive's implementation (`impl`, traced at its
+    input avals) where that is a Python function that does not bind the
+    primitive again: a library's primitive (lineax's `linear_solve`, any
+    Equinox `filter_primitive`) runs and lowers through it. None where it
+    has none (JAX's own primitives dispatch themselves)."""
+    hit = _IMPLEMENTATIONS.get((eqn,))
+    if hit is not MISSING:
+        return hit
+    prim, found = eqn.primitive, None
+    try:
+        def impl(*args: Any) -> list:
+            out = prim.impl(*args, **eqn.params)
+            return list(out) if prim.multiple_results else [out]
+        jaxpr, consts = trace_flat(impl, [v.aval for v in eqn.invars])
+        if not _binds(jaxpr, prim):
+            found = ClosedJaxpr(jaxpr, consts)
+    except Exception:  # (no impl, or one that cannot be traced: no implementation)
+        pass
+    _IMPLEMENTATIONS.put((eqn,), None, found)
+    return found
+
+
+def _binds(jaxpr: Jaxpr, prim: Primitive) -> bool:
+    return any(e.primitive is prim or any(_binds(j, prim) for j in sub_jaxprs(e.params))
+               for e in jaxpr.eqns)
+
+
 def hi_prim_flag(x: Any) -> str | None:
     """The `jax_*3` flag under which JAX stages this `HiPrim`, if one does."""
     for cls, flag in HI_PRIM_FLAGS.items():
@@ -184,12 +276,13 @@ def primitive_origin(prim: Primitive) -> str | None:
     outside JAX; else that of the innermost function outside JAX its
     implementation (`prim.impl`, set by `def_impl`) calls through wrappers
     (`functools.partial`, `__wrapped__`, closures: Equinox's
-    `filter_primitive_def` wraps the library's function in its own). None
-    where none is found (a primitive defined by JAX, or without an impl)."""
+    `filter_primitive_def` wraps the library's function in its own), or
+    its abstract evaluation calls (a primitive that only lowers). None where
+    none is found (a primitive defined by JAX)."""
     if _outside_jax(type(prim).__module__):
         return type(prim).__module__
     found, seen = None, set()
-    layer = [getattr(prim, "impl", None)]
+    layer = [getattr(prim, "impl", None), getattr(prim, "abstract_eval", None)]
     for _ in range(4):  # wrappers are shallow; a closure may hold anything
         deeper: list = []
         for f in layer:
@@ -295,6 +388,13 @@ def identity_eqn(eqn: JaxprEqn) -> JaxprEqn:
 def _identity_jaxpr(avals: tuple) -> ClosedJaxpr:
     jaxpr, consts = trace_flat(lambda *a: list(a), list(avals))
     return ClosedJaxpr(jaxpr, consts)
+
+
+def traced_for() -> str | None:
+    """What the jaxpr being traced now is for (its debug info's `traced_for`:
+    "jit", "scan"..., or a library's own label); None when none is traced."""
+    frame = getattr(_core.trace_ctx.trace, "frame", None)
+    return getattr(getattr(frame, "debug_info", None), "traced_for", None)
 
 
 def in_eager_mode() -> bool:

@@ -562,6 +562,55 @@ def test_primitive_def_impl_sets_impl():
     assert layer.primitive_origin(lax.sin_p) is None  # (JAX's own)
 
 
+def test_implementation_traces_a_python_impl_and_not_a_dispatching_one():
+    """lazyharvest assumes a primitive's `impl` can be traced at an eqn's input
+    avals (a library's primitive runs its bodies there), and that JAX's own
+    primitives' `impl` binds the primitive again (dispatch), so only the
+    former are looked through (core.implementation: the generic path)."""
+    prim = layer.Primitive("contract_generic")
+    prim.def_impl(lambda x, *, k: jnp.sin(x) * k)
+    prim.def_abstract_eval(lambda x, *, k: x)
+    found = layer.implementation(_only(_eqns(lambda x: prim.bind(x, k=2.), 1.),
+                                       "contract_generic"))
+    assert found is not None, f"a Python impl could not be traced on jax {V}"
+    close(jax.core.eval_jaxpr(found.jaxpr, found.consts, 0.5)[0], 2 * np.sin(0.5))
+    for name, fn in [("sin", jnp.sin), ("cumsum", lax.cumsum)]:
+        eqn = _only(_eqns(fn, jnp.ones(3)), name)
+        assert layer.implementation(eqn) is None, (
+            f"jax {V}: {name}'s impl no longer binds {name} again")
+
+
+def test_replace_jaxprs_keeps_an_open_jaxprs_constvars():
+    """lazyharvest assumes an open jaxpr in params (a closure-converted function
+    with `constvars`, as Equinox keeps in `static`) moves its constvars to
+    leading invars with `pe.convert_constvars_jaxpr` and back with
+    `Jaxpr.replace(constvars=, invars=)` (core.replace_jaxprs)."""
+    c = jnp.array([1., 2.])
+    closed = jax.make_jaxpr(lambda x: x * c)(jnp.ones(2))
+    open_ = closed.jaxpr
+    new = layer.replace_jaxprs({"f": (open_, 3)}, lambda cj: cj, lambda j: True)
+    assert new is not None and new["f"][1] == 3
+    close(jax.core.eval_jaxpr(new["f"][0], closed.consts, jnp.ones(2))[0], c)
+    assert list(layer.sub_jaxprs({"a": {"b": [closed]}})) == [closed.jaxpr]
+
+
+def test_traced_for_reads_the_debug_info_of_the_jaxpr_being_traced():
+    """lazyharvest assumes the trace a library opens with
+    `pe.trace_to_jaxpr_dynamic` under `jax.api_util.debug_info(label, ...)`
+    is the current trace while its function runs, and its `frame.debug_info`
+    carries `traced_for == label` (core.traced_for: Flax's "flax scan" check,
+    primitive.CHECK_TRACES)."""
+    seen = []
+
+    def f(x):
+        seen.append(layer.traced_for())
+        return [x * 2]
+    dbg = jax.api_util.debug_info("lh contract check", f, (1.,), {})
+    layer.pe.trace_to_jaxpr_dynamic(layer.lu.wrap_init(f, debug_info=dbg), [jax.typeof(1.)])
+    assert seen == ["lh contract check"], f"traced_for reads {seen} on jax {V}"
+    assert layer.traced_for() is None
+
+
 def test_source_info_user_context():
     """lazyharvest assumes re-binding an eqn inside `source_info_util.user_context(
     traceback, name_stack=...)` gives the new eqn the old one's name stack and
