@@ -30,7 +30,8 @@ For each version it makes (or reuses) a venv under the cache directory
 installs `jax==V jaxlib==V` and this checkout with the extras named by
 --extras from PyPI (default `test`: `pip install -e ".[test]"`, so pip also
 checks V against the declared range), prints the versions it resolved
-(Python, jax, jaxlib, numpy, flax, equinox, diffrax), then runs pytest from
+(Python, jax, jaxlib, numpy, flax, equinox, diffrax, lineax, optimistix),
+then runs pytest from
 the repository root. At the end it prints one row per version: passed /
 failed / errors / skipped / xfailed / xpassed, the suite's wall-clock seconds
 and CPU seconds (user + sys; on a shared machine the wall clock also counts
@@ -61,7 +62,7 @@ DEFAULT_VERSIONS = ("0.8.3", "0.9.2", "0.10.2", "0.11.2",
 # with the newest releases of every other dependency (refreshed on each run).
 NEWEST = "newest"
 # The distributions whose versions a venv's setup prints.
-REPORTED = ("jax", "jaxlib", "numpy", "flax", "equinox", "diffrax")
+REPORTED = ("jax", "jaxlib", "numpy", "flax", "equinox", "diffrax", "lineax", "optimistix")
 # JAX from 0.11 on needs Python >= 3.12: the Python its venvs are made from
 # unless a version names one.
 NEWER_JAX_PYTHON = "3.12"
