@@ -14,6 +14,7 @@ from lazyharvest._version import __version__
 from lazyharvest.api import call_and_reap, harvest, nest, plant, reap
 from lazyharvest.delayed import DelayedDict, HarvestKeyError
 from lazyharvest.errors import HarvestError
+from lazyharvest.interventions import intervention
 from lazyharvest.models import sow_modules
 from lazyharvest.primitive import sow
 from lazyharvest.transforms import (
@@ -33,7 +34,8 @@ from lazyharvest.transforms import (
 _jax.hide_frames_below(_os.path.dirname(__file__))
 
 __all__ = [
-    "DelayedDict", "HarvestError", "HarvestKeyError", "__version__", "call_and_reap",
-    "grad", "harvest", "hessian", "jacfwd", "jacrev", "jit", "jvp", "linearize", "nest",
+    "DelayedDict", "HarvestError", "HarvestKeyError", "__version__",
+    "call_and_reap", "grad", "harvest", "hessian", "intervention", "jacfwd", "jacrev", "jit",
+    "jvp", "linearize", "nest",
     "plant", "reap", "sow", "sow_modules", "value_and_grad", "vjp", "vmap",
 ]

@@ -38,6 +38,7 @@ from lazyharvest._interpreter import (
     sub_jaxprs,
 )
 from lazyharvest.errors import HarvestError, closest
+from lazyharvest.interventions import Applied, as_intervention
 from lazyharvest.keys import VJP, Label
 from lazyharvest.primitive import active_tags, current_scopes, harvesting, sow_p
 
@@ -86,6 +87,7 @@ class PlantEntry:
     additive: bool  # a cotangent site: the plant is added, not substituted
     avals: tuple
     add: bool = False  # plant(mode="add"): added to the sown value
+    applied: Applied | None = None  # an intervention: its function (avals: its operands')
 
 
 @attrs.frozen(cache_hash=True)  # hashed on every call (program-cache key)
@@ -109,7 +111,7 @@ class PlantSpec:
     def plants(self, leaves: Sequence[Any]) -> dict[RawKey, Plant]:
         """The `Plant`s of a run, given the planted leaves in order."""
         *chunks, _ = split_list(leaves, [len(e.avals) for e in self.entries])
-        return {e.key: Plant(c, e.mode, e.additive, e.add)
+        return {e.key: Plant(c, e.mode, e.additive, e.add, applied=e.applied)
                 for e, c in zip(self.entries, chunks)}
 
 
@@ -526,25 +528,9 @@ def resolve_plants(traced: Traced, plants: Any, add: bool = False
     walk((), plants)
     spec, leaves = [], []
     for ukey, value in found.items():
-        raw = traced.raw_of[ukey]
-        site = traced.sites[raw]
-        where = h.where(raw)
-        if any(isinstance(x, Label) and x.chosen and not x.structural for x in raw[0]):
-            raise HarvestError(
-                f"{where}: {keys_mod.display(ukey)!r} is a transformed leaf (a "
-                f"derivative of the site), not a value the program computes; "
-                f"plant the site's own key instead.")
-        vals, tree = jax.tree_util.tree_flatten(value)
-        if tree != site.tree:
-            raise HarvestError(
-                f"{where}: planted value has structure {tree}, the site sows "
-                f"{site.tree}. Plant a value of the same pytree structure.")
-        cast = []
-        for v, aval in zip(vals, site.avals):
-            cast.append(_cast_plant(v, aval, where, add))
-        spec.append(PlantEntry(raw, site.mode, bool(raw[0]) and raw[0][-1] == VJP,
-                               tuple(jax.typeof(x) for x in cast), add))
-        leaves += cast
+        entry, planted = _plant_entry(traced, ukey, value, add)
+        spec.append(entry)
+        leaves += planted
     return PlantSpec(tuple(spec)), leaves
 
 
@@ -586,6 +572,50 @@ def _cast_plant(v: Any, aval: Any, where: str, add: bool = False) -> Any:
     # strongly typed (`jnp.full(4, 2.)` is weak) before the program cache is
     # asked, so a sweep mixing weak and strong plants compiles once
     return jax.lax.convert_element_type(jnp.asarray(v), aval.dtype)
+
+
+def _plant_entry(traced: Traced, ukey: tuple, value: Any, add: bool
+                 ) -> tuple[PlantEntry, list]:
+    """The spec entry of one plant and its leaves (checked and cast)."""
+    raw = traced.raw_of[ukey]
+    site = traced.sites[raw]
+    where = traced.harvest.where(raw)
+    if any(isinstance(x, Label) and x.chosen and not x.structural for x in raw[0]):
+        raise HarvestError(
+            f"{where}: {keys_mod.display(ukey)!r} is a transformed leaf (a "
+            f"derivative of the site), not a value the program computes; "
+            f"plant the site's own key instead.")
+    iv = as_intervention(value)
+    if iv is not None:
+        return _intervention_entry(raw, site, iv, where, add)
+    vals, tree = jax.tree_util.tree_flatten(value)
+    if tree != site.tree:
+        raise HarvestError(
+            f"{where}: planted value has structure {tree}, the site sows "
+            f"{site.tree}. Plant a value of the same pytree structure.")
+    cast = [_cast_plant(v, aval, where, add) for v, aval in zip(vals, site.avals)]
+    return (PlantEntry(raw, site.mode, bool(raw[0]) and raw[0][-1] == VJP,
+                       tuple(jax.typeof(x) for x in cast), add), cast)
+
+
+def _intervention_entry(raw: RawKey, site: Any, iv: Any, where: str, add: bool
+                        ) -> tuple[PlantEntry, list]:
+    """A plant that is a function: applied at every occurrence, to the value
+    or the cotangent there (a "clobber" entry, never sliced into rows); its
+    operands are the planted leaves."""
+    ops, op_tree = jax.tree_util.tree_flatten(iv.operands)
+    ops = [_strong(x) for x in ops]
+    return (PlantEntry(raw, "clobber", False, tuple(jax.typeof(x) for x in ops), add,
+                       Applied(iv.fn, site.tree, op_tree, where)), ops)
+
+
+def _strong(x: Any) -> Any:
+    """`x` as a strongly typed array: weak and strong operands of one sweep
+    (`jnp.full(4, 2.)`, `jnp.ones(4)`) share one program."""
+    if isinstance(x, jax.Array) and not jax.typeof(x).weak_type:
+        return x
+    x = jnp.asarray(x)
+    return jax.lax.convert_element_type(x, x.dtype)
 
 
 def _kind(dtype: Any) -> type:

@@ -225,6 +225,9 @@ class Plant:
     # per occurrence in the run's cursor order, its row in program order,
     # where they differ (`plant_order`)
     order: tuple | None = None
+    # an intervention (`lazyharvest.interventions`): `applied(vals, leaves)`
+    # gives the planted value, `leaves` being its operands
+    applied: Callable | None = None
 
     def total(self) -> int:
         """How many occurrences the plant covers."""
@@ -732,6 +735,9 @@ class Replay:
     def apply(self, plant: Plant, vals: list) -> list:
         if not self.applied:
             return vals
+        if plant.applied is not None:
+            new = plant.applied(vals, plant.leaves)
+            return [v + p for v, p in zip(vals, new)] if plant.add else new
         new = list(plant.leaves) if self.row is None else [p[self.row] for p in plant.leaves]
         if plant.additive or plant.add:
             return [v + p.astype(v.dtype) for v, p in zip(vals, new)]
