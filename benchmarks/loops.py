@@ -8,6 +8,11 @@ with d1..d4; default all):
       of patch values, same shapes) into layer 16 of a 32-layer MLP (width
       256, batch 64) vs a jitted hand-written function taking the patch as an
       argument. Per call <= 1.1x; compiles after the first call: 0.
+  (a2) intervention sweep: the same 512 calls as function plants,
+      `lh.intervention(patch_block, src, cols, on)` with the corrupted
+      activation and the column block as operands, vs the jitted hand-written
+      intervention taking them as arguments. Per call <= 1.1x; compiles after
+      the first call: 0.
   (b) `lh.reap(lh.grad(f))(x, params)[("grad", "e16")]`, the wrapper rebuilt
       every call, vs `jax.jit(jax.grad(slice))`. <= 1.1x; 0 compiles after
       the first call.
@@ -167,6 +172,73 @@ def section_a() -> None:
           "jax.jit(patched)(params, x, patch).\nEvery call waits for its result; "
           "'compiles after' counts the 3 timed sweeps after the first call.\n")
 
+
+
+# --- (a2) intervention sweep ---------------------------------------------------------
+
+def patch_block(h, src, cols, on):
+    """Column block `on` of `h` from `src` (a function plant's operands)."""
+    return jnp.where(cols == on, src, h)
+
+
+def hand_intervened(layer: int):
+    """Hand-written: the MLP with `patch_block` applied at activation `layer`."""
+    def intervened(params, x, src, cols, on):
+        h = x
+        for i, (w, b) in enumerate(params):
+            h = jnp.tanh(h @ w + b)
+            h = patch_block(h, src, cols, on) if i == layer else h
+        return h
+    return intervened
+
+
+def section_a2() -> None:
+    n, width, batch, layer, runs, blocks = 32, 256, 64, 16, 32, 16
+    print(f"(a2) intervention sweep: {runs * blocks} lh.plant calls of "
+          f"lh.intervention(patch_block, src, cols, on) at h{layer} of a {n}-layer MLP "
+          f"(width {width}, batch {batch}); {runs} corrupted runs x {blocks} column "
+          f"blocks, the corrupted activation and the block as operands")
+    params, x = mlp_params(n, width, batch)
+    corrupt = jax.random.normal(jax.random.PRNGKey(1), (runs, batch, width))
+    srcs = list(jax.jit(jax.vmap(lambda c: mlp_upto(params, c, layer)))(corrupt))
+    cols = jnp.arange(width) // (width // blocks)
+    calls = [(src, jnp.int32(k)) for src in srcs for k in range(blocks)]
+    planted = lh.plant(mlp, tag=T)
+    hand = jax.jit(hand_intervened(layer))
+
+    def lazy_call(src, on):
+        return planted({f"h{layer}": lh.intervention(patch_block, src, cols, on)}, params, x)
+
+    before = COMPILES.count
+    first = block(lazy_call(*calls[0]))
+    first_compiles = COMPILES.count - before
+    check_close(first, hand(params, x, calls[0][0], cols, calls[0][1]), "(a2) first call")
+    check_close(lazy_call(*calls[-1]), hand(params, x, calls[-1][0], cols, calls[-1][1]),
+                "(a2) last call")
+
+    def lazy_sweep():
+        for src, on in calls:
+            lazy_call(src, on).block_until_ready()
+
+    def hand_sweep():
+        for src, on in calls:
+            hand(params, x, src, cols, on).block_until_ready()
+
+    before = COMPILES.count
+    t = time_interleaved({"lazy": lazy_sweep, "hand": hand_sweep}, number=1,
+                         repeat=3, warmup=0)
+    after = COMPILES.count - before
+    lazy, hand_t = t["lazy"] / len(calls), t["hand"] / len(calls)
+    ratio = lazy / hand_t
+    f1 = record("(a2) intervention sweep, per call", ratio, T_LOOP)
+    f2 = record("(a2) intervention sweep, compiles after the first call", after, 0, "")
+    table(["calls", "lazy µs/call", "hand µs/call", "ratio", "target", "flag",
+           "lazy-hand µs", "compiles (first call)", "compiles after", "flag"],
+          [[len(calls), fmt_us(lazy), fmt_us(hand_t), f"{ratio:.2f}x",
+            f"<= {T_LOOP:.2f}x", f1, fmt_us(lazy - hand_t), first_compiles, after, f2]])
+    print("lazy = lh.plant(mlp)({'h16': lh.intervention(patch_block, src, cols, on)}, "
+          "params, x) per call (the function defined once); hand = jax.jit(intervened)"
+          "(params, x, src, cols, on).\n")
 
 # --- (b) reap of a rebuilt lh.grad wrapper ---------------------------------------------
 
@@ -780,7 +852,7 @@ def summary() -> None:
     sys.stdout.flush()
 
 
-SECTIONS = {"a": section_a, "b": section_b, "c": section_c, "d": section_d,
+SECTIONS = {"a": section_a, "a2": section_a2, "b": section_b, "c": section_c, "d": section_d,
             "e": section_e, "f": section_f}
 PARTS = {"d1": _d_sites, "d2": _d_transformer, "d3": _d_recorded, "d4": _d_per_example}
 

@@ -612,10 +612,11 @@ def _intervention_entry(raw: RawKey, site: Any, iv: Any, where: str, add: bool
 def _strong(x: Any) -> Any:
     """`x` as a strongly typed array: weak and strong operands of one sweep
     (`jnp.full(4, 2.)`, `jnp.ones(4)`) share one program."""
-    if isinstance(x, jax.Array) and not jax.typeof(x).weak_type:
-        return x
-    x = jnp.asarray(x)
-    return jax.lax.convert_element_type(x, x.dtype)
+    if isinstance(x, jax.Array):
+        return x if not jax.typeof(x).weak_type else jax.lax.convert_element_type(x, x.dtype)
+    # (numbers and numpy arrays: no device op, so nothing compiles in a sweep)
+    arr = np.asarray(x)
+    return arr.astype(jax.dtypes.canonicalize_dtype(arr.dtype), copy=False)
 
 
 def _kind(dtype: Any) -> type:

@@ -123,6 +123,32 @@ def test_a_layer_position_patching_sweep_compiles_once_and_vmaps():
     close(swept, jnp.stack([want[i, p] for i in range(L) for p in range(T)]))
 
 
+def blend_at(h, src, pos, alpha, on):
+    return jnp.where(on, h.at[pos].set(alpha * src[pos] + (1 - alpha) * h[pos]), h)
+
+
+def test_a_512_call_sweep_compiles_once_and_equals_its_vmap():
+    clean = lh.reap(model, tag="t")(PARAMS, TOKENS).compute()
+    calls = [(i, pos, alpha) for i in range(L) for pos in range(T)
+             for alpha in np.linspace(0.0, 1.0, 35)][:512]
+    assert len(calls) == 512
+
+    def run(i, pos, alpha):
+        return lh.plant(model, tag="t")(
+            {f"h{j}": lh.intervention(blend_at, clean[f"h{j}"], pos, alpha, i == j)
+             for j in range(L)}, PARAMS, CORRUPT)
+    counter = CompileCounter()
+    got = [run(*c) for c in calls]
+    assert counter.count == 1  # the first call's program, reused 511 times
+    for c in (calls[0], calls[200], calls[-1]):
+        i, pos, alpha = c
+        close(got[calls.index(c)], model(PARAMS, CORRUPT, lambda j, h: blend_at(
+            h, clean[f"h{j}"], pos, alpha, i == j)))
+    layers, positions, alphas = (jnp.array(v) for v in zip(*calls))
+    close(jax.vmap(run)(layers, positions, alphas.astype(jnp.float32)), jnp.stack(got),
+          rtol=1e-4, atol=1e-5)
+
+
 def test_plant_calls_with_new_operands_reuse_one_program():
     patch = lambda h, v: h.at[0].set(v)  # noqa: E731  (defined once)
     vs = [jnp.full(D, float(k)) for k in range(4)]
