@@ -141,36 +141,40 @@ def section_a() -> None:
     patches = list(make_patches(params, x, corrupt))
     planted = lh.plant(mlp, tag=T)
     hand = jax.jit(hand_patched(layer))
-    before = COMPILES.count
-    first = block(planted({f"h{layer}": patches[0]}, params, x))
-    first_compiles = COMPILES.count - before
-    check_close(first, hand(params, x, patches[0]), "(a) first patch")
-    check_close(planted({f"h{layer}": patches[-1]}, params, x),
-                hand(params, x, patches[-1]), "(a) last patch")
-
-    def lazy_sweep():
-        for p in patches:
-            planted({f"h{layer}": p}, params, x).block_until_ready()
-
-    def hand_sweep():
-        for p in patches:
-            hand(params, x, p).block_until_ready()
-
-    before = COMPILES.count
-    t = time_interleaved({"lazy": lazy_sweep, "hand": hand_sweep}, number=1,
-                         repeat=3, warmup=0)
-    after = COMPILES.count - before
-    lazy, hand_t = t["lazy"] / len(patches), t["hand"] / len(patches)
-    ratio = lazy / hand_t
-    f1 = record("(a) plant sweep, per call", ratio, T_LOOP)
-    f2 = record("(a) plant sweep, compiles after the first call", after, 0, "")
-    table(["calls", "lazy µs/call", "hand µs/call", "ratio", "target", "flag",
-           "lazy-hand µs", "compiles (first call)", "compiles after", "flag"],
-          [[len(patches), fmt_us(lazy), fmt_us(hand_t), f"{ratio:.2f}x",
-            f"<= {T_LOOP:.2f}x", f1, fmt_us(lazy - hand_t), first_compiles, after, f2]])
+    time_sweep("(a) plant sweep", patches,
+               lambda p: planted({f"h{layer}": p}, params, x),
+               lambda p: hand(params, x, p))
     print("lazy = lh.plant(mlp)({'h16': patch}, params, x) per patch; hand = "
           "jax.jit(patched)(params, x, patch).\nEvery call waits for its result; "
           "'compiles after' counts the 3 timed sweeps after the first call.\n")
+
+
+def time_sweep(what: str, calls: list, lazy_one, hand_one) -> None:
+    """Times `lazy_one(c)` against `hand_one(c)` over `calls` (interleaved
+    sweeps, each call waiting for its result), after checking the first and
+    last calls agree; records the per-call ratio and the compiles after the
+    first call, and prints their row."""
+    before = COMPILES.count
+    first = block(lazy_one(calls[0]))
+    first_compiles = COMPILES.count - before
+    check_close(first, hand_one(calls[0]), f"{what}: first call")
+    check_close(lazy_one(calls[-1]), hand_one(calls[-1]), f"{what}: last call")
+
+    def sweep(one):
+        return lambda: [one(c).block_until_ready() for c in calls]
+
+    before = COMPILES.count
+    t = time_interleaved({"lazy": sweep(lazy_one), "hand": sweep(hand_one)}, number=1,
+                         repeat=3, warmup=0)
+    after = COMPILES.count - before
+    lazy, hand_t = t["lazy"] / len(calls), t["hand"] / len(calls)
+    ratio = lazy / hand_t
+    f1 = record(f"{what}, per call", ratio, T_LOOP)
+    f2 = record(f"{what}, compiles after the first call", after, 0, "")
+    table(["calls", "lazy µs/call", "hand µs/call", "ratio", "target", "flag",
+           "lazy-hand µs", "compiles (first call)", "compiles after", "flag"],
+          [[len(calls), fmt_us(lazy), fmt_us(hand_t), f"{ratio:.2f}x",
+            f"<= {T_LOOP:.2f}x", f1, fmt_us(lazy - hand_t), first_compiles, after, f2]])
 
 
 
@@ -206,36 +210,10 @@ def section_a2() -> None:
     planted = lh.plant(mlp, tag=T)
     hand = jax.jit(hand_intervened(layer))
 
-    def lazy_call(src, on):
-        return planted({f"h{layer}": lh.intervention(patch_block, src, cols, on)}, params, x)
-
-    before = COMPILES.count
-    first = block(lazy_call(*calls[0]))
-    first_compiles = COMPILES.count - before
-    check_close(first, hand(params, x, calls[0][0], cols, calls[0][1]), "(a2) first call")
-    check_close(lazy_call(*calls[-1]), hand(params, x, calls[-1][0], cols, calls[-1][1]),
-                "(a2) last call")
-
-    def lazy_sweep():
-        for src, on in calls:
-            lazy_call(src, on).block_until_ready()
-
-    def hand_sweep():
-        for src, on in calls:
-            hand(params, x, src, cols, on).block_until_ready()
-
-    before = COMPILES.count
-    t = time_interleaved({"lazy": lazy_sweep, "hand": hand_sweep}, number=1,
-                         repeat=3, warmup=0)
-    after = COMPILES.count - before
-    lazy, hand_t = t["lazy"] / len(calls), t["hand"] / len(calls)
-    ratio = lazy / hand_t
-    f1 = record("(a2) intervention sweep, per call", ratio, T_LOOP)
-    f2 = record("(a2) intervention sweep, compiles after the first call", after, 0, "")
-    table(["calls", "lazy µs/call", "hand µs/call", "ratio", "target", "flag",
-           "lazy-hand µs", "compiles (first call)", "compiles after", "flag"],
-          [[len(calls), fmt_us(lazy), fmt_us(hand_t), f"{ratio:.2f}x",
-            f"<= {T_LOOP:.2f}x", f1, fmt_us(lazy - hand_t), first_compiles, after, f2]])
+    time_sweep("(a2) intervention sweep", calls,
+               lambda c: planted({f"h{layer}": lh.intervention(patch_block, c[0], cols, c[1])},
+                                 params, x),
+               lambda c: hand(params, x, c[0], cols, c[1]))
     print("lazy = lh.plant(mlp)({'h16': lh.intervention(patch_block, src, cols, on)}, "
           "params, x) per call (the function defined once); hand = jax.jit(intervened)"
           "(params, x, src, cols, on).\n")
