@@ -21,7 +21,6 @@ from lazyharvest._interpreter.plumbing import (
     merge,
     per_site,
     split_list,
-    strip_sites,
     trace_body,
     zeros,
 )
@@ -45,7 +44,7 @@ __all__ = [
     "ANY_TAG", "COUNT_RULES", "EVAL_RULES", "Body", "Counts", "Harvest", "Plant",
     "PlantOperands", "RawKey", "Record", "Run", "Site", "add_counts", "bind",
     "contains_sites", "count_occurrences", "describe", "jaxpr_has_sites", "finish", "invar_avals",
-    "merge", "per_site", "plant_order", "raw_key", "split_list", "strip_all_sites", "strip_sites",
+    "merge", "per_site", "plant_order", "raw_key", "split_list", "strip_all_sites",
     "sub_jaxprs", "trace_body", "zeros",
 ]
 
@@ -53,4 +52,4 @@ __all__ = [
 def strip_all_sites(closed):
     """`closed` with every site of every tag removed (made the identity)."""
     run = Run(Harvest(ANY_TAG), lambda k: False, keep_other_tags=False)
-    return strip_sites(run, closed)
+    return run.stripped(closed)

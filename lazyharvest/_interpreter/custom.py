@@ -20,7 +20,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from lazyharvest import _jax
 from lazyharvest._identity_cache import MISSING, IdentityCache
-from lazyharvest._interpreter.plumbing import PlantOperands, split_list, strip_sites
+from lazyharvest._interpreter.plumbing import PlantOperands, split_list
 from lazyharvest._interpreter.run import EVAL_RULES, Run, bind
 from lazyharvest._interpreter.sites import (
     Harvest,
@@ -48,7 +48,7 @@ def _custom(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call_jaxpr, **_) -> l
         return _custom_planted(run, eqn, invals, call_jaxpr)
     if any(run.want(k) for k in counts):
         run.eval(call_jaxpr.jaxpr, call_jaxpr.consts, invals)
-    return bind(eqn, invals, dict(eqn.params, call_jaxpr=strip_sites(run, call_jaxpr)))
+    return bind(eqn, invals, dict(eqn.params, call_jaxpr=run.stripped(call_jaxpr)))
 
 
 EVAL_RULES[_jax.custom_jvp_call_p] = _custom
@@ -466,7 +466,7 @@ def _custom_vmap(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call, **_) -> li
         return run.eval(call.jaxpr, call.consts, invals)
     if any(run.want(k) for k in counts):
         run.eval(call.jaxpr, call.consts, invals)
-    return bind(eqn, invals, dict(eqn.params, call=strip_sites(run, call)))
+    return bind(eqn, invals, dict(eqn.params, call=run.stripped(call)))
 
 
 EVAL_RULES[_jax.custom_vmap_p] = _custom_vmap
@@ -544,7 +544,7 @@ def _custom_planted(run: Run, eqn: _jax.JaxprEqn, invals: list,
         run.end_inner_passes(inner.primal_sown)
     for k in ops.keys:
         run.cursor[k] = start.get(k, 0) + counts[k]
-    stripped = dict(_jax.unshared_thunks(eqn.params), call_jaxpr=strip_sites(run, closed))
+    stripped = dict(_jax.unshared_thunks(eqn.params), call_jaxpr=run.stripped(closed))
     original = lambda *xs: bind(eqn, list(xs), stripped)
     primal = lambda *a: planted(*a)[0]
     # The leading `num_consts` operands are values the user's function closes

@@ -224,8 +224,3 @@ def finish(run: Run, body: Body, outs: list, inner: Run | None = None) -> list:
         run.end_inner_passes(inner.primal_sown)
         run.cursor.update(inner.cursor)
     return own
-
-
-def strip_sites(run: Run, closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
-    """The body with this harvest's sites consumed (identity), nothing reaped."""
-    return run.stripped(closed)

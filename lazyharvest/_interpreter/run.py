@@ -10,6 +10,7 @@ that holds sites goes to its rule in `EVAL_RULES`, keyed by the primitive.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -548,19 +549,19 @@ class Run:
         impl = implementation(eqn)
         if impl is None or selected_site(eqn, self.harvest) is None:
             return self.opaque(eqn, invals)
-        planted = bool(self.plants) and any(
-            k in self.plants for k in count_occurrences(impl.jaxpr, self.harvest))
-        outs = self.eval(impl.jaxpr, impl.consts, invals)
-        if planted:
-            return outs
-        try:
-            params = _jax.replace_jaxprs(eqn.params, self.stripped,
-                                         lambda j: jaxpr_has_sites(j, self.harvest.tag))
-        except jax.errors.UnexpectedTracerError:
-            # (a body the implementation never runs as it is: lineax on jax
-            # 0.12 keeps one holding a tracer of the transformation that made it)
-            params = None
-        return outs if params is None else bind(eqn, invals, params)
+        inside = count_occurrences(impl.jaxpr, self.harvest)
+        params = None
+        if not any(k in self.plants for k in inside):
+            # (a body the implementation never runs as it is: lineax on jax 0.12
+            # keeps one holding a tracer of the transformation that made it)
+            with contextlib.suppress(jax.errors.UnexpectedTracerError):
+                params = _jax.replace_jaxprs(eqn.params, self.stripped,
+                                             lambda j: jaxpr_has_sites(j, self.harvest.tag))
+        if params is None:  # planted inside, or a body that cannot be stripped
+            return self.eval(impl.jaxpr, impl.consts, invals)
+        if self.pass_through or any(map(self.want, inside)):
+            self.eval(impl.jaxpr, impl.consts, invals)  # the sites (the outputs: below)
+        return bind(eqn, invals, params)
 
     def stripped(self, closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
         """`closed` with this harvest's sites consumed (identity), nothing reaped."""

@@ -2,7 +2,8 @@
 
 `count_occurrences` walks a jaxpr with one rule per higher-order primitive in
 `COUNT_RULES` (a body run `length` times by `scan` counts `length` times); a
-primitive without a rule counts its sub-jaxprs once each.
+primitive without a count rule counts its implementation's sites where the
+harvest looks through it (`implementation`), else its sub-jaxprs once each.
 """
 
 from __future__ import annotations
