@@ -13,6 +13,8 @@ Expected values are the same programs written in plain JAX (cotangents by
 the zero-perturbation trick: d out / d eps at eps = 0, eps added at the site).
 """
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -348,3 +350,80 @@ def test_sites_on_the_solutions_of_least_squares_and_minimise_under_grad():
     g, d = lh.call_and_reap(jax.grad(minimum), tag="t")(w)
     close(g, jax.grad(lambda w: minimum(w, False))(w), rtol=1e-4)
     close(d["vjp", "y"], jax.grad(lambda e: minimum(w, False, e))(jnp.zeros(3)), rtol=1e-4)
+
+
+# --- item 3: a plant inside a function a library differentiates implicitly --------
+# The implicit rule evaluates the function again (its gradient, its Jacobian in
+# a lineax operator); with the site planted, it is the planted function it
+# differentiates, as in the program written with the plant in place.
+
+THETA = jnp.array([0.5, -1.0, 0.8])
+W_PLANT = jnp.array([0.3, 0.7, 0.4])
+
+
+def _objective(w):
+    def objective(y, theta):
+        return jnp.sum(w(theta) * y ** 2 - theta * y) + 0.1 * jnp.sum(y ** 4)
+    return objective
+
+
+def _sown_w(theta):
+    return lh.sow(2.0 * theta, tag="t", name="w", mode="clobber")
+
+
+def test_a_plant_inside_an_optimistix_minimise_is_differentiated_by_its_implicit_rule():
+    optx = pytest.importorskip("optimistix")
+
+    def loss(theta, w=_sown_w):
+        y = optx.minimise(_objective(w), optx.BFGS(rtol=1e-8, atol=1e-8), jnp.ones(3),
+                          args=theta).value
+        return jnp.sum(y ** 2)
+
+    planted = lambda th: lh.plant(loss, tag="t")({"w": W_PLANT}, th)  # noqa: E731
+    by_hand = lambda th: loss(th, w=lambda _: W_PLANT)  # noqa: E731
+    close(planted(THETA), by_hand(THETA), rtol=1e-5)
+    expected = jax.grad(by_hand)(THETA)
+    assert not np.allclose(expected, jax.grad(loss)(THETA), rtol=1e-2)  # (the plant matters)
+    close(jax.grad(planted)(THETA), expected, rtol=1e-4, atol=1e-5)
+    close(jax.jvp(planted, (THETA,), (jnp.ones(3),))[1],
+          jax.jvp(by_hand, (THETA,), (jnp.ones(3),))[1], rtol=1e-4)
+    # the implicit function theorem by hand: d/dtheta of sum(y*^2), where
+    # 2 w y + 0.4 y^3 = theta at the minimum y*, so dy*/dtheta = 1 / (2 w + 1.2 y*^2)
+    y = optx.minimise(_objective(lambda _: W_PLANT), optx.BFGS(rtol=1e-8, atol=1e-8),
+                      jnp.ones(3), args=THETA).value
+    close(jax.grad(planted)(THETA), 2 * y / (2 * W_PLANT + 1.2 * y ** 2), rtol=1e-4)
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _implicit_minimum(theta, w):
+    # Newton steps on the gradient, with an implicit rule that evaluates the
+    # gradient again: the pattern of optimistix's `implicit_jvp`, in JAX alone
+    grad = jax.grad(_objective(w))
+    step = lambda _, y: y - grad(y, theta) / (2 * jnp.abs(theta) + 1.2 * y ** 2 + 1.0)  # noqa: E731
+    return lax.fori_loop(0, 200, step, jnp.ones(3))
+
+
+@_implicit_minimum.defjvp
+def _implicit_minimum_jvp(w, primals, tangents):
+    (theta,), (dtheta,) = primals, tangents
+    y = _implicit_minimum(theta, w)
+    grad = jax.grad(_objective(w))
+    _, b = jax.jvp(lambda th: grad(y, th), (theta,), (dtheta,))
+    hessian = jax.jacfwd(lambda u: grad(u, theta))(y)
+    return y, -jnp.linalg.solve(hessian, b)
+
+
+def test_a_plant_in_a_custom_jvp_whose_function_and_rule_differentiate_the_site():
+    # the primal function holds the site under jax.grad (its key is a value
+    # key with a differentiation label inside the call); the rule differentiates
+    # the same function again: both see the plant
+    def loss(theta, w=_sown_w):
+        return jnp.sum(_implicit_minimum(theta, w) ** 2)
+
+    planted = lambda th: lh.plant(loss, tag="t")({"w": W_PLANT}, th)  # noqa: E731
+    by_hand = lambda th: loss(th, w=lambda _: W_PLANT)  # noqa: E731
+    expected = jax.grad(by_hand)(THETA)
+    assert not np.allclose(expected, jax.grad(loss)(THETA), rtol=1e-2)
+    close(planted(THETA), by_hand(THETA), rtol=1e-6)
+    close(jax.grad(planted)(THETA), expected, rtol=1e-5)
+    close(jax.jit(jax.grad(planted))(THETA), expected, rtol=1e-5)

@@ -490,8 +490,10 @@ def _rule_plants(run: Run, ops: PlantOperands, counts: dict, start: dict) -> tup
     # cursor's: the row of this occurrence); sown several times in the call,
     # its rows cannot be told apart where the rule sows it (docs/semantics.md)
     rows = {k: start.get(k, 0) if run.plants[k].mode == "append" else None for k in ops.keys}
-    in_rules = [k for k in ops.keys if not k[0] and not run.plants[k].additive
-                and (rows[k] is None or counts[k] == 1)]
+    # (a value key: its labels, if any, are those of differentiations inside
+    # the call, where the rule's own sow of the name is that value's)
+    in_rules = [k for k in ops.keys if all(label == PRIMAL for label in k[0])
+                and not run.plants[k].additive and (rows[k] is None or counts[k] == 1)]
 
     def in_rule(leaves: Sequence[Any], collect: bool = False) -> Any:
         # the user's rules, run by JAX on the planted program, sow the planted
