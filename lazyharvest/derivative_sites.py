@@ -401,7 +401,7 @@ def _make_remembering_bind(default):
 
     def bind_with_trace(trace, args, avals, params):
         count_sow(params)
-        planted = planted_value(params, list(args))
+        planted = planted_value(trace, params, list(args))
         if planted is not None:  # in a custom rule of a planted program
             if not collects(params):
                 return planted

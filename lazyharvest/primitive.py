@@ -172,7 +172,7 @@ _tokens = itertools.count()
 @contextlib.contextmanager
 def planting(plants: dict, collect: bool = False) -> Iterator[dict]:
     """Sows bound in this block of the names in `plants` ((tag, scopes, name)
-    -> (leaves, add)) are replaced by those leaves (added to them with add).
+    -> value) are replaced by `value(sown leaves)`, the planted leaves.
 
     With `collect`, a replaced sow stays a site of the differentiation the
     rule runs (a constant one: the plant does not depend on the rule's
@@ -185,9 +185,9 @@ def planting(plants: dict, collect: bool = False) -> Iterator[dict]:
         return
     token = next(_tokens)
     table: dict = {}
-    for (tag, scopes, name), (leaves, add) in plants.items():
+    for (tag, scopes, name), value in plants.items():
         table.setdefault((tag, name), []).append(
-            (scopes, leaves, add, collected.get((tag, scopes, name))))
+            (scopes, value, collected.get((tag, scopes, name))))
     _PLANTED[token] = table
     try:
         with _planting(token):
@@ -212,27 +212,30 @@ def _planted_entry(params: dict) -> tuple | None:
     return (exact or found)[0]
 
 
-def planted_value(params: dict, vals: list) -> list | None:
-    """The planted leaves for a value sow bound now in a `planting` block."""
+def planted_value(trace: Any, params: dict, vals: list) -> list | None:
+    """The planted leaves for a value sow bound now, at `trace`, in a
+    `planting` block."""
     entry = None if params["path"] else _planted_entry(params)
     if entry is None:
         return None
-    _scopes, leaves, add, _ = entry
-    return [v + p.astype(v.dtype) if add else jnp.broadcast_to(p, jnp.shape(v)).astype(v.dtype)
-            for v, p in zip(vals, leaves)]
+    # (a bind runs its hooks with no current trace: the plant, computed from
+    # the sown value and the plant's operands, belongs to the sow's)
+    with _jax.current_trace(trace):
+        return [jnp.broadcast_to(p, jnp.shape(v)).astype(v.dtype)
+                for v, p in zip(vals, entry[1](vals))]
 
 
 def collects(params: dict) -> bool:
     """Whether the cotangents of this site are collected (`planting`)."""
     entry = _planted_entry(dict(params, path=()))
-    return entry is not None and entry[3] is not None
+    return entry is not None and entry[2] is not None
 
 
 def collect(params: dict, cts: Sequence[Any]) -> None:
     """Keeps the cotangent leaves `cts` of a collected site."""
     entry = _planted_entry(dict(params, path=()))
-    if entry is not None and entry[3] is not None:
-        entry[3].append(list(cts))
+    if entry is not None and entry[2] is not None:
+        entry[2].append(list(cts))
 
 
 def collected_cotangents(found: list) -> list | None:

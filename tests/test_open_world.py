@@ -427,3 +427,22 @@ def test_a_plant_in_a_custom_jvp_whose_function_and_rule_differentiate_the_site(
     close(planted(THETA), by_hand(THETA), rtol=1e-6)
     close(jax.grad(planted)(THETA), expected, rtol=1e-5)
     close(jax.jit(jax.grad(planted))(THETA), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["add", "function", "intervention"])
+def test_a_plant_that_shifts_the_residual_of_an_optimistix_root_find_under_grad(how):
+    # the Newton steps linearize the residual and the implicit rule evaluates
+    # it again inside lineax's operator: a plant computed from the sown value
+    # (added, or a function of it) is applied in both
+    pytest.importorskip("optimistix")
+    shift = jnp.array([0.1, -0.2])
+    plants, mode = {
+        "add": ({"res": shift}, "add"),
+        "function": ({"res": lambda r: r + shift}, "replace"),
+        "intervention": ({"res": lh.intervention(lambda r, s: r + s, shift)}, "replace"),
+    }[how]
+    planted = lambda w, d: lh.plant(root, tag="t", mode=mode)(plants, w, d)  # noqa: E731
+    by_hand = lambda w, d: root(w, d, sow=False, e_res=shift)  # noqa: E731
+    close(planted(W_ROOT, DRIVE), by_hand(W_ROOT, DRIVE), rtol=1e-5)
+    expected = jax.grad(by_hand, argnums=(0, 1))(W_ROOT, DRIVE)
+    close(jax.grad(planted, argnums=(0, 1))(W_ROOT, DRIVE), expected, rtol=1e-4, atol=1e-6)

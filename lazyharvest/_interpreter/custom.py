@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import attrs
@@ -21,7 +22,7 @@ from jax.custom_derivatives import SymbolicZero
 from lazyharvest import _jax
 from lazyharvest._identity_cache import MISSING, IdentityCache
 from lazyharvest._interpreter.plumbing import PlantOperands, split_list
-from lazyharvest._interpreter.run import EVAL_RULES, Run, bind
+from lazyharvest._interpreter.run import EVAL_RULES, Replay, Run, bind
 from lazyharvest._interpreter.sites import (
     Harvest,
     RawKey,
@@ -499,9 +500,8 @@ def _rule_plants(run: Run, ops: PlantOperands, counts: dict, start: dict) -> tup
         # the user's rules, run by JAX on the planted program, sow the planted
         # values: what they differentiate or recompute is the planted program
         plants = ops.plants(run.plants, leaves)
-        return planting({(run.harvest.tag, k[1], k[2]): (
-            plants[k].leaves if rows[k] is None else [x[rows[k]] for x in plants[k].leaves],
-            plants[k].add) for k in in_rules}, collect)
+        return planting({(run.harvest.tag, k[1], k[2]): partial(Replay(rows[k]).apply, plants[k])
+                         for k in in_rules}, collect)
 
     def plant_cotangents(collected: dict, leaves: Sequence[Any]) -> list:
         # A plant's cotangent is the one the rule's own differentiation gives
