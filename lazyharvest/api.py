@@ -96,9 +96,16 @@ def _run(f: Callable, h: Harvest, plants: Any, args: tuple, kwargs: dict,
     # Inside a trace (a training step under jax.jit), the output's program
     # also returns every leaf it computes anyway (values, tangents,
     # cotangents): the forward pass runs once, and what is never read is
-    # dead code for the enclosing jit. Eagerly, leaves stay lazy (memory).
+    # dead code for the enclosing jit. Eagerly, it returns the leaves the
+    # previous call's DelayedDict has had read so far (a loop reads the same
+    # ones each step), and no others: they do not run their passes again.
     staged = how.with_dict and (_jax.any_tracer(flat) or _jax.any_tracer(plant_leaves))
-    keys = traced.direct_keys(spec) if staged else []
+    keys, reads = traced.direct_keys(spec) if staged else [], None
+    if how.with_dict and not staged:
+        before = traced.reads.get(spec)
+        if before:
+            keys = [k for k in traced.direct_keys(spec) if k in before]
+        reads = traced.reads[spec] = set()
     prog = traced.program(keys, with_out=True, plants=spec, pass_through=not how.with_dict)
     outs = prog(*flat, *plant_leaves)
     n_out = traced.out_tree.num_leaves
@@ -106,7 +113,7 @@ def _run(f: Callable, h: Harvest, plants: Any, args: tuple, kwargs: dict,
     if not how.with_dict:
         return out
     d = DelayedDict.from_trace(traced, flat, spec, plant_leaves,
-                               computed=(keys, outs[n_out:]))
+                               computed=(keys, outs[n_out:]), reads=reads)
     return out, d
 
 

@@ -31,11 +31,15 @@ class _Store:
     """State shared by a DelayedDict and its sub-views."""
 
     __slots__ = ("traced", "args", "plants", "plant_leaves", "traced_inputs",
-                 "values", "lock")
+                 "values", "lock", "reads")
 
     def __init__(self, traced: Traced, args: Sequence[Any], plants: PlantSpec = NO_PLANTS,
-                 plant_leaves: Sequence[Any] = (), concrete: bool = False):
+                 plant_leaves: Sequence[Any] = (), concrete: bool = False,
+                 reads: set | None = None):
         self.traced = traced
+        # (the raw keys read, where the next call predicts its reads from
+        # this one's: an eager `call_and_reap`)
+        self.reads = reads
         self.args = args
         self.plants = plants
         self.plant_leaves = plant_leaves
@@ -53,6 +57,8 @@ class _Store:
 
     def force_one(self, raw: Any) -> Any:
         """The value of one leaf (`force([raw])[raw]`, with less work)."""
+        if self.reads is not None:
+            self.reads.add(raw)
         if not self.traced_inputs:
             value = self.values.get(raw, _MISSING)
             if value is not _MISSING:
@@ -85,6 +91,8 @@ class _Store:
         of a closure over it) stages its program into that trace and keeps
         nothing: memoizing a tracer would poison it for later reads.
         """
+        if self.reads is not None:
+            self.reads.update(raw_keys)
         with self.lock:
             keys = (raw_keys if unique or len(raw_keys) < 2
                     else tuple(dict.fromkeys(raw_keys)))
@@ -174,7 +182,8 @@ class DelayedDict(Mapping):
     @classmethod
     def from_trace(cls, traced: Traced, args: list, plants: PlantSpec = NO_PLANTS,
                    plant_leaves: list | tuple = (),
-                   computed: tuple[list, Sequence[Any]] = ([], ())) -> DelayedDict:
+                   computed: tuple[list, Sequence[Any]] = ([], ()),
+                   reads: set | None = None) -> DelayedDict:
         """The DelayedDict of one call.
 
         **Arguments:**
@@ -182,8 +191,9 @@ class DelayedDict(Mapping):
         - args: the call's flat array arguments.
         - plants, plant_leaves: which sites the call plants, and the planted leaves.
         - computed: (raw keys, their flat leaves) already computed by the call.
+        - reads: a set the raw keys read are added to.
         """
-        store = _Store(traced, args, plants, plant_leaves)
+        store = _Store(traced, args, plants, plant_leaves, reads=reads)
         keys, leaves = computed
         if keys:
             *chunks, _ = split_list(leaves, [len(traced.sites[k].avals) for k in keys])

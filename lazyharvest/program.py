@@ -143,6 +143,9 @@ class Traced:
     plain_programs: dict = attrs.field(factory=dict)
     indexes: dict = attrs.field(factory=dict)  # PlantSpec -> key index
     plans: dict = attrs.field(factory=dict)  # (plants, view, keys) -> `compute` plan
+    # PlantSpec -> the raw keys read from the DelayedDict of the latest eager
+    # call with its output (`call_and_reap`), as they are read
+    reads: dict = attrs.field(factory=dict)
     lock: Any = attrs.field(factory=threading.RLock)
 
     def key_index(self, plants: PlantSpec = NO_PLANTS) -> tuple[dict, list]:
