@@ -74,7 +74,8 @@ def _call(with_out: bool, with_dict: bool, static_argnums: Any = (),
 
 
 def _run(f: Callable, h: Harvest, plants: Any, args: tuple, kwargs: dict,
-         how: _Call, remember: Callable[[Traced], None] | None = None) -> Any:
+         how: _Call, remember: Callable[[Traced], None] | None = None,
+         remember_program: Callable[..., None] | None = None) -> Any:
     if plants is not None and not isinstance(plants, Mapping):
         # (before tracing: plants passed in another position would reach the
         # user's function first, and fail there)
@@ -111,6 +112,8 @@ def _run(f: Callable, h: Harvest, plants: Any, args: tuple, kwargs: dict,
     n_out = traced.out_tree.num_leaves
     out = jax.tree_util.tree_unflatten(traced.out_tree, outs[:n_out])
     if not how.with_dict:
+        if cached and remember_program is not None:
+            remember_program(traced, prog, plant_leaves)
         return out
     d = DelayedDict.from_trace(traced, flat, spec, plant_leaves,
                                computed=(keys, outs[n_out:]), reads=reads)
@@ -142,10 +145,11 @@ class _Recent:
     __slots__ = ("table", "lock")
 
     def __init__(self) -> None:
-        self.table: dict = {}  # (tree, avals) -> (trace context, Traced)
+        # (tree, avals) -> (trace context, the Traced; for `plant`, the program)
+        self.table: dict = {}
         self.lock = threading.Lock()
 
-    def remember(self, key: Any, traced: Traced) -> None:
+    def remember(self, key: Any, traced: Any) -> None:
         with self.lock:
             self.table[key] = (_jax.trace_context(), traced)
             while len(self.table) > TRACE_CACHE_SIZE:
@@ -335,13 +339,48 @@ def plant(f: Callable, *, tag: Hashable, allowlist: Iterable[Any] | None = None,
     24.0
     """
     h = _harvest(tag, allowlist, blocklist, exclusive)
-    how = _call(True, False, static_argnums, static_argnames, mode)
+    return _planter(f, h, _call(True, False, static_argnums, static_argnames, mode))
+
+
+def _planter(f: Callable, h: Harvest, how: _Call) -> Callable[..., Any]:
+    """`plant(f)`: a call whose arguments and plant leaves are arrays (no
+    tracers, numbers or functions) of the avals of an earlier call, in the
+    same trace context, runs that call's program at once (`_Recent`, its
+    plant leaves as the earlier call passed them on, uncast: a sweep)."""
+    recent = _Recent() if not (how.static_argnums or how.static_argnames) else None
 
     @_jax.api_boundary
     @functools.wraps(f)
     def planted(plants: Any, *args: Any, **kwargs: Any) -> Any:
-        return _run(f, h, plants, args, kwargs, how)
+        if kwargs or recent is None or type(plants) is not dict:
+            return _run(f, h, plants, args, kwargs, how)
+        try:
+            leaves, tree = _jax.tree_flatten(plants)
+        except TypeError:  # (keys JAX cannot sort)
+            return _run(f, h, plants, args, kwargs, how)
+        flat, arg_tree = ((args, len(args)) if set(map(type, args)) == _ARRAYS
+                          else _jax.tree_flatten(args))
+        if set(map(type, flat)) != _ARRAYS or set(map(type, leaves)) - _ARRAYS:
+            return _run(f, h, plants, args, kwargs, how)
+        key = (tree, arg_tree, tuple(map(_aval, flat)), tuple(map(_aval, leaves)))
+        hit = recent.table.get(key)
+        if hit is not None and hit[0] == _jax.trace_context():
+            prog, out_tree, perm = hit[1]
+            outs = prog(*flat, *[leaves[i] for i in perm])
+            return jax.tree_util.tree_unflatten(out_tree, outs[:out_tree.num_leaves])
+        return _run(f, h, plants, args, kwargs, how,
+                    remember_program=functools.partial(_remember_plants, recent, key, leaves))
     return planted
+
+
+def _remember_plants(recent: _Recent, key: Any, given: list, traced: Traced, prog: Any,
+                     plant_leaves: list) -> None:
+    """Where each plant leaf the program takes is among the leaves of the
+    plants given, if each is one of them, passed on as it is."""
+    where = {id(x): i for i, x in enumerate(given)}
+    perm = [where.get(id(x)) for x in plant_leaves]
+    if len(where) == len(given) and None not in perm:
+        recent.remember(key, (prog, traced.out_tree, perm))
 
 
 def harvest(f: Callable, *, tag: Hashable, allowlist: Iterable[Any] | None = None,

@@ -151,3 +151,63 @@ def test_pytree_arguments_take_the_short_path_too(counts):
         close(reaped([x + 1 for x in xs], y)["a"], want(*[x + 1 for x in xs], y)["a"])
     close(reaped(tuple(xs), y)["a"], want(*xs, y)["a"])  # another tree: traced anew
     assert counts["trace"] == 2 and counts["lookup"] == 2
+
+
+# --- the short path of a planted function (a patching sweep) -----------------------
+
+def _planted_by_hand(xs, pa=None, pb=None):
+    a = jnp.sin(sum(xs[1:], xs[0])) if pa is None else pa
+    b = a * 2. + 1. if pb is None else pb
+    return jnp.sum(jnp.tanh(b))
+
+
+def test_repeated_plant_calls_skip_the_general_lookup(counts):
+    planted = lh.plant(lambda p, xs: f(p, *xs), tag="t")
+    x0 = jnp.full((4,), 0.2)
+    xs = [jnp.full((4,), 0.1), jnp.full((4,), 0.3)]
+    # keys given out of JAX's sorted order: the program takes them in its own
+    calls = [({"b": jnp.full((4,), 0.5 * i, jnp.float32),
+               "a": jnp.full((4,), -0.2 * i, jnp.float32)}, x0 + i) for i in range(6)]
+    before = COMPILES.count
+    got = [planted(p, x, xs) for p, x in calls]
+    assert COMPILES.count - before == 1
+    assert counts["trace"] == 1 and counts["lookup"] == 1  # then the short path
+    for (p, x), g in zip(calls, got):
+        close(g, _planted_by_hand([x, *xs], pa=p["a"], pb=p["b"]))
+
+
+@pytest.mark.parametrize("plants", [
+    lambda i: {"a": jnp.full((4,), 0.1 * i, jnp.float32),
+               "b": jnp.full((4,), 0.2 * i, jnp.float32)},  # new arrays each call
+    lambda i: {"a": jnp.full((4,), float(i))},  # a weakly typed plant (cast each call)
+    lambda i: {"a": np.full(4, 0.1 * i, np.float32)},  # a numpy array
+    lambda i: {"a": lambda v: v * i},  # a function
+])
+def test_plant_calls_the_short_path_cannot_serve_stay_right(plants):
+    planted = lh.plant(lambda x: f(x), tag="t")
+    x = jnp.full((4,), 0.3)
+    for i in range(3):
+        p = plants(i)
+        pa = p["a"](jnp.sin(x)) if callable(p["a"]) else jnp.broadcast_to(p["a"], (4,))
+        close(planted(p, x), _planted_by_hand([x], pa=pa, pb=p.get("b")))
+
+
+def test_the_same_array_planted_at_two_keys_then_two_arrays():
+    planted = lh.plant(lambda x: f(x), tag="t")
+    x, same = jnp.full((4,), 0.3), jnp.full((4,), 0.7, jnp.float32)
+    for _ in range(2):
+        close(planted({"a": same, "b": same}, x), _planted_by_hand([x], same, same))
+    pa, pb = jnp.full((4,), 0.1, jnp.float32), jnp.full((4,), 0.9, jnp.float32)
+    close(planted({"a": pa, "b": pb}, x), _planted_by_hand([x], pa, pb))
+    close(planted({"b": pb, "a": pa}, x), _planted_by_hand([x], pa, pb))
+
+
+def test_a_plant_call_in_another_context_is_not_served_the_first_program():
+    planted = lh.plant(lambda x: f(x), tag="t")
+    x, p = jnp.full((4,), 0.3), {"a": jnp.full((4,), 0.5, jnp.float32)}
+    for _ in range(2):
+        close(planted(p, x), _planted_by_hand([x], pa=p["a"]))
+    # inside another harvest of the tag, the plant's program is traced anew
+    d = lh.reap(lambda x: planted(p, x) + lh.sow(x, tag="t", name="z"), tag="t")(x)
+    close(d["z"], x)
+    close(jax.jit(lambda x: planted(p, x))(x), _planted_by_hand([x], pa=p["a"]))
