@@ -17,8 +17,9 @@ with d1..d4; default all):
       every call, vs `jax.jit(jax.grad(slice))`. <= 1.1x; 0 compiles after
       the first call.
   (c) per-call overhead: `reap(f)(*args)` + one leaf read (and + a cached
-      `compute` of 2 leaves) for f of 1, 8 and 64 array arguments vs the
-      jitted hand-written program: µs above it, <= 5 µs at 8 arguments.
+      `compute` of 2 leaves; and a `plant(f)` call) for f of 1, 8 and 64 array
+      arguments vs the jitted hand-written program: µs above it, <= 5 µs at 8
+      arguments.
   (d) first access as programs grow. d1: 100, 1,000, 5,000 sites (10 eqns
       each) in straight-line code, in one scan body (append) and in nested
       jits: first reap vs `jax.jit(f).trace(x).lower()`, <= 2x, per-site
@@ -294,23 +295,29 @@ def section_c() -> None:
           "d.compute('a', 'c') (cached key set); f of n arrays f32[16], 3 sites")
     hand_b = jax.jit(lambda *xs: _hand_many(*xs)[1])
     hand_ac = jax.jit(lambda *xs: (lambda a, b, c: {"a": a, "c": c})(*_hand_many(*xs)))
-    reaped = lh.reap(many_args, tag=T)
+    hand_p = jax.jit(lambda p, *xs: jnp.sum(jnp.tanh(p)))
+    reaped, planted = lh.reap(many_args, tag=T), lh.plant(many_args, tag=T)
+    p = jnp.full((16,), 0.5, jnp.float32)
     rows = []
     for n in (1, 8, 64):
         xs = [jnp.full((16,), 0.01 * (i + 1)) for i in range(n)]
         check_close(reaped(*xs)["b"], hand_b(*xs), f"(c) n={n} leaf")
         check_close(reaped(*xs).compute("a", "c"), hand_ac(*xs), f"(c) n={n} compute")
+        check_close(planted({"b": p}, *xs), hand_p(p, *xs), f"(c) n={n} plant")
         before = COMPILES.count
         t = time_interleaved({
             "leaf": lambda: reaped(*xs)["b"].block_until_ready(),
             "hand": lambda: hand_b(*xs).block_until_ready(),
             "comp": lambda: block(reaped(*xs).compute("a", "c")),
             "hand2": lambda: block(hand_ac(*xs)),
+            "plant": lambda: planted({"b": p}, *xs).block_until_ready(),
+            "hand3": lambda: hand_p(p, *xs).block_until_ready(),
             "reap": lambda: reaped(*xs),
         }, number=300, repeat=7, warmup=20)
         assert COMPILES.count == before, "(c): a timed call compiled"
         for what, lazy, ref in (("leaf d['b']", "leaf", "hand"),
-                                ("d.compute('a','c')", "comp", "hand2")):
+                                ("d.compute('a','c')", "comp", "hand2"),
+                                ("plant({'b': p})", "plant", "hand3")):
             diff = t[lazy] - t[ref]
             target, fl = "(info)", ""
             if n == 8:
@@ -321,8 +328,8 @@ def section_c() -> None:
                          fmt_us(t["reap"]) if lazy == "leaf" else ""])
     table(["args", "read", "lazy µs", "hand µs", "lazy-hand µs", "ratio", "target",
            "flag", "reap() µs"], rows)
-    print("hand = the jitted hand-written program for the same leaf (leaves); "
-          "reap() = lh.reap(f)(*args) alone.\n")
+    print("hand = the jitted hand-written program for the same leaf (leaves), or for "
+          "the planted output (plant); reap() = lh.reap(f)(*args) alone.\n")
 
 
 # --- (d) first access as programs grow ------------------------------------------------------
