@@ -421,6 +421,14 @@ def _check_leaf(leaf: Any, tag: Hashable, name: str) -> Any:
         f"Python numbers only.")
 
 
+_CONTAINERS = (dict, list, tuple)
+
+
+def _all_arrays(value: Any) -> bool:
+    leaves = jax.tree_util.tree_leaves(value)
+    return bool(leaves) and all(isinstance(x, jax.Array) for x in leaves)
+
+
 def _checked_leaves(value: Any, tag: Hashable, name: str, mode: str) -> tuple[list, Any]:
     """The value's leaves as arrays, and its tree, once the arguments are checked."""
     if mode not in MODES:
@@ -486,7 +494,9 @@ def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
     [1. 2. 3.]
     """
     del key
-    if _jax.in_eager_mode() and isinstance(value, jax.Array) and mode in MODES:
+    if _jax.in_eager_mode() and mode in MODES and (
+            isinstance(value, jax.Array) or (type(value) in _CONTAINERS and type(name) is str
+                                             and _all_arrays(value))):
         return value  # the common case outside any transformation: nothing to do
     leaves, tree = _checked_leaves(value, tag, name, mode)
     # (dropped: in a rule whose sites a harvest took, `consuming`)

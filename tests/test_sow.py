@@ -6,6 +6,7 @@ from contextlib import redirect_stdout
 import jax
 import jax.ad_checkpoint
 import jax.numpy as jnp
+import pytest
 from jax import lax
 
 import lazyharvest as lh
@@ -37,6 +38,18 @@ def test_identity_in_eager_mode_binds_nothing():
     assert sow(x, tag="t", name="a") is x
     tree = {"a": x, "b": (x, 2.)}
     assert sow(tree, tag="t", name="a") is tree
+    arrays = {"a": x, "b": [x, x]}
+    assert sow(arrays, tag="t", name="a") is arrays
+
+
+def test_eager_sows_of_containers_still_check_their_arguments():
+    x = jnp.arange(3.)
+    with pytest.raises(lh.HarvestError, match="the name must be a string"):
+        sow({"a": x}, tag="t", name=3)
+    with pytest.raises(lh.HarvestError, match="unknown mode"):
+        sow([x, x], tag="t", name="a", mode="last")
+    with pytest.raises(lh.HarvestError, match="Sow arrays or"):
+        sow({"a": x, "b": "text"}, tag="t", name="a")
 
 
 def test_outside_harvest_jit_has_no_effects_and_no_hlo():
