@@ -425,6 +425,9 @@ _CONTAINERS = (dict, list, tuple)
 
 
 def _all_arrays(value: Any) -> bool:
+    items = value.values() if type(value) is dict else value
+    if items and all(isinstance(x, jax.Array) for x in items):  # (one level: no flatten)
+        return True
     leaves = jax.tree_util.tree_leaves(value)
     return bool(leaves) and all(isinstance(x, jax.Array) for x in leaves)
 
