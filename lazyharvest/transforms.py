@@ -216,11 +216,25 @@ def _doc(name: str, signature_of: Callable) -> str:
         example=doc["example"])
 
 
+# Transforms JAX builds with no check but that `fun` is callable: built when
+# first called outside a harvest (a harvest records the call instead), so a
+# wrapper rebuilt on every loop iteration costs little (`jax.grad` alone
+# costs tens of µs to build).
+_BUILT_WHEN_CALLED = frozenset({"grad", "value_and_grad"})
+
+
 def _function_transform(name: str, jax_fn: Callable):
+    signature = inspect.signature(jax_fn)
+
     @functools.wraps(jax_fn)
     def transform(fun: Callable, *targs: Any, **tkwargs: Any) -> Callable:
-        params = _bind_signature(jax_fn, fun, targs, tkwargs)
-        plain = jax_fn(fun, *targs, **tkwargs)
+        params = _bind_signature(signature, fun, targs, tkwargs)
+        if name not in _BUILT_WHEN_CALLED or tkwargs:
+            plain = jax_fn(fun, *targs, **tkwargs)
+        elif not callable(fun):
+            raise TypeError(f"Expected a callable value, got {fun}")
+        else:
+            plain = _built_when_called(jax_fn, fun, targs)
 
         @functools.wraps(fun, updated=())
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -252,8 +266,19 @@ def _identify(wrapper: Any, name: str, params: dict, fun: Callable) -> None:
                                     else fun.__lazyharvest_base__)  # type: ignore[attr-defined]
 
 
-def _bind_signature(jax_fn: Callable, fun: Callable, targs: tuple, tkwargs: dict) -> dict:
-    bound = inspect.signature(jax_fn).bind(fun, *targs, **tkwargs)
+def _built_when_called(jax_fn: Callable, fun: Callable, targs: tuple) -> Callable:
+    built: list = []
+
+    def plain(*args: Any, **kwargs: Any) -> Any:
+        if not built:
+            built.append(jax_fn(fun, *targs))
+        return built[0](*args, **kwargs)
+    return plain
+
+
+def _bind_signature(signature: inspect.Signature, fun: Callable, targs: tuple,
+                    tkwargs: dict) -> dict:
+    bound = signature.bind(fun, *targs, **tkwargs)
     bound.apply_defaults()
     out = dict(bound.arguments)
     out.pop("fun", None)

@@ -3,6 +3,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -295,3 +296,17 @@ def test_avals_without_computation_match_computed_leaves(transform):
     for k in d.keys():
         shape = lambda t: jax.tree_util.tree_map(lambda v: (v.shape, v.dtype), t)
         assert shape(d[k]) == shape(avals[k]), k
+
+
+def test_a_rebuilt_grad_wrapper_checks_its_function_and_runs_outside_a_harvest():
+    # (built when first called outside a harvest: a loop rebuilding it pays little)
+    with pytest.raises(TypeError, match="callable"):
+        lh.grad(3)
+    f = lambda x: jnp.sum(jnp.sin(x) ** 2)  # noqa: E731
+    x = jnp.arange(3.0)
+    for _ in range(2):
+        g = lh.grad(f)
+        np.testing.assert_allclose(g(x), jax.grad(f)(x), rtol=1e-6)
+        np.testing.assert_allclose(g(x), jax.grad(f)(x), rtol=1e-6)
+    v, gv = lh.value_and_grad(f)(x)
+    np.testing.assert_allclose(gv, jax.grad(f)(x), rtol=1e-6)
