@@ -424,6 +424,12 @@ def _check_leaf(leaf: Any, tag: Hashable, name: str) -> Any:
 _CONTAINERS = (dict, list, tuple)
 
 
+def _eager_arrays(value: Any, name: Any, mode: str) -> bool:
+    """An array, or a dict, list or tuple of arrays, sown with good arguments."""
+    return mode in MODES and (isinstance(value, jax.Array) or (
+        type(value) in _CONTAINERS and type(name) is str and _all_arrays(value)))
+
+
 def _all_arrays(value: Any) -> bool:
     items = value.values() if type(value) is dict else value
     if items and all(isinstance(x, jax.Array) for x in items):  # (one level: no flatten)
@@ -497,9 +503,7 @@ def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
     [1. 2. 3.]
     """
     del key
-    if _jax.in_eager_mode() and mode in MODES and (
-            isinstance(value, jax.Array) or (type(value) in _CONTAINERS and type(name) is str
-                                             and _all_arrays(value))):
+    if _jax.in_eager_mode() and _eager_arrays(value, name, mode):
         return value  # the common case outside any transformation: nothing to do
     leaves, tree = _checked_leaves(value, tag, name, mode)
     # (dropped: in a rule whose sites a harvest took, `consuming`)

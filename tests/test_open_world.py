@@ -446,3 +446,53 @@ def test_a_plant_that_shifts_the_residual_of_an_optimistix_root_find_under_grad(
     close(planted(W_ROOT, DRIVE), by_hand(W_ROOT, DRIVE), rtol=1e-5)
     expected = jax.grad(by_hand, argnums=(0, 1))(W_ROOT, DRIVE)
     close(jax.grad(planted, argnums=(0, 1))(W_ROOT, DRIVE), expected, rtol=1e-4, atol=1e-6)
+
+
+# --- JAX's high-level primitives that jax >= 0.12 stages with every flag off -------
+# (`lax.custom_root` as `CustomRoot`, `jnp.nonzero(size=...)` as `Nonzero`; on
+# older JAX the same programs stage ordinary primitives, and must give the same)
+
+def _cube_root(a, sow=True, e=0.0, log=None):
+    def residual(y):
+        r = y ** 3 - a
+        if log is not None:
+            jax.debug.callback(lambda v: log.append(float(v)), r)
+        return (lh.sow(r, tag="t", name="res", mode="clobber") if sow else r) + e
+
+    def newton(f, y0):
+        return lax.fori_loop(0, 12, lambda _, y: y - f(y) / (3 * y ** 2), y0)
+    y = lax.custom_root(residual, 1.0, newton, lambda g, y: y / g(1.0))
+    return jnp.sin(y * a)
+
+
+def test_sites_inside_lax_custom_root_keep_its_implicit_rule():
+    log: list = []
+    _cube_root(2.0, sow=False, log=log)
+    d = lh.reap(_cube_root, tag="t")(2.0)
+    close(d["res"], log[-1], atol=1e-6)  # the last evaluation
+    plain = jax.grad(lambda a: _cube_root(a, sow=False))(2.0)
+    # differentiated after the harvest: the implicit rule, not the unrolled solve
+    close(jax.grad(lambda a: lh.call_and_reap(_cube_root, tag="t")(a)[0])(2.0), plain)
+    close(jax.grad(lambda a: lh.plant(_cube_root, tag="t")({}, a))(2.0), plain)
+    # under jax.grad inside the harvest: the residual's cotangent through the rule
+    d = lh.reap(jax.grad(_cube_root), tag="t")(2.0)
+    close(d["vjp", "res"], jax.grad(lambda e: _cube_root(2.0, sow=False, e=e))(0.0),
+          rtol=1e-4)
+    # a planted residual: the planted program (a shifted root)
+    shift = 0.5
+    got = lh.plant(_cube_root, tag="t", mode="add")({"res": jnp.float32(shift)}, 2.0)
+    close(got, _cube_root(2.0, sow=False, e=shift), rtol=1e-5)
+
+
+def test_a_site_next_to_jnp_nonzero_with_a_size():
+    def f(x, e=0.0, sow=True):
+        h = jnp.sin(x)
+        h = (lh.sow(h, tag="t", name="h") if sow else h) + e
+        idx = jnp.nonzero(h > 0, size=3)[0]
+        inner = lh.sow(h[idx] * 2.0, tag="t", name="picked") if sow else h[idx] * 2.0
+        return jnp.sum(inner ** 2)
+    x = jnp.arange(5.0)
+    d = lh.reap(jax.grad(f), tag="t")(x)
+    close(d["h"], jnp.sin(x))
+    close(d["picked"], 2.0 * jnp.sin(x)[jnp.nonzero(jnp.sin(x) > 0, size=3)[0]])
+    close(d["vjp", "h"], jax.grad(lambda e: f(x, e, sow=False))(jnp.zeros(5)))

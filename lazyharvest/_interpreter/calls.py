@@ -65,6 +65,10 @@ def _high_level(run: Run, eqn: _jax.JaxprEqn, invals: list, *, _prim, **_) -> li
     left unreaped; one holding only sites the filters leave out is bound
     unchanged."""
     flag = _jax.hi_prim_flag(_prim)
+    if flag is None:  # (CustomRoot, Nonzero...: JAX stages them with every flag off)
+        impl = _jax.implementation(eqn)
+        if impl is not None:
+            return run.through_implementation(eqn, invals, impl, keep_unstripped=True)
     what = (f"{type(_prim).__name__} (from {type(_prim).__module__})"
             + (f", which JAX stages with {flag} on," if flag else ""))
     return run.opaque(eqn, invals, what=what, flag=flag, yet=True)

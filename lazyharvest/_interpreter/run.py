@@ -536,7 +536,9 @@ class Run:
             return rule(self, eqn, invals, **eqn.params)
         return bind(eqn, invals)
 
-    def through_implementation(self, eqn: _jax.JaxprEqn, invals: list) -> list:
+    def through_implementation(self, eqn: _jax.JaxprEqn, invals: list,
+                               impl: _jax.ClosedJaxpr | None = None,
+                               keep_unstripped: bool = False) -> list:
         """The generic path through a higher-order primitive with no rule of
         its own (a library's, such as lineax's `linear_solve`): its sites are
         harvested in its implementation (`impl`), where they run as often and
@@ -545,18 +547,23 @@ class Run:
         own differentiation, batching and transposition rules stay in force
         for whatever transforms the harvested program; where a plant reaches
         a site inside, the planted program's outputs come from the
-        implementation (docs/semantics.md, section 10b)."""
-        impl = implementation(eqn)
+        implementation (docs/semantics.md, section 10b). `keep_unstripped`:
+        bodies that cannot be stripped (those a JAX high-level primitive's
+        object holds) stay as they are, their sites in the primitive."""
+        impl = implementation(eqn) if impl is None else impl
         if impl is None or selected_site(eqn, self.harvest) is None:
             return self.opaque(eqn, invals)
         inside = count_occurrences(impl.jaxpr, self.harvest)
         params = None
-        if not any(k in self.plants for k in inside):
+        planted = any(k in self.plants for k in inside)
+        if not planted:
             # (a body the implementation never runs as it is: lineax on jax 0.12
             # keeps one holding a tracer of the transformation that made it)
             with contextlib.suppress(jax.errors.UnexpectedTracerError):
                 params = _jax.replace_jaxprs(eqn.params, self.stripped,
                                              lambda j: jaxpr_has_sites(j, self.harvest.tag))
+        if params is None and keep_unstripped and not planted:
+            params = eqn.params
         if params is None:  # planted inside, or a body that cannot be stripped
             return self.eval(impl.jaxpr, impl.consts, invals)
         if self.pass_through or any(map(self.want, inside)):

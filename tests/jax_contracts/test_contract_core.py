@@ -787,6 +787,25 @@ def test_hijax_call_hi_primitive(flag):
         f"attributes before 0.12) no longer hold the body on jax {V}: {inner}")
 
 
+def test_implementation_of_a_high_level_primitive_is_its_expansion():
+    """lazyharvest assumes a `call_hi_primitive` eqn's `_prim` object has
+    `in_tree` and `expand(*args)` (its lowering), so `core.implementation`
+    traces it; checked with `lax.custom_root`, which jax >= 0.12 stages as a
+    `CustomRoot` with every flag off (_interpreter/calls.py)."""
+    def f(a):
+        newton = lambda g, y0: lax.fori_loop(0, 8, lambda _, y: y - g(y) / (2 * y), y0)  # noqa: E731
+        return lax.custom_root(lambda y: y ** 2 - a, 1.0, newton, lambda g, y: y / g(1.0))
+    eqns = jax.make_jaxpr(f)(2.).jaxpr.eqns
+    hi = [e for e in eqns if e.primitive is layer.call_hi_primitive_p]
+    if layer.call_hi_primitive_p is None or not hi:
+        assert versions.JAX_VERSION < (0, 12), f"jax {V} no longer stages CustomRoot"
+        pytest.skip(f"jax {V} stages custom_root as ordinary primitives")
+    impl = layer.implementation(hi[0])
+    assert impl is not None, f"jax {V}: the CustomRoot object has no expand/in_tree"
+    (out,) = layer.eval_jaxpr(impl.jaxpr, impl.consts, *[jnp.float32(2.)] * len(impl.jaxpr.invars))
+    close(out, np.sqrt(2.), rtol=1e-5)
+
+
 def test_jaxpr_and_eqn_replace_rewrite_params_in_nested_bodies():
     # map_params: Jaxpr.replace(eqns=...), JaxprEqn.replace(params=...), bodies
     # as ClosedJaxpr params (a while loop's)
