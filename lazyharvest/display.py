@@ -243,25 +243,66 @@ def _nest(es: Sequence[Entry]) -> _Node:
 
 def _plain_html(d: Any) -> str:
     es = entries(d)
-    body = _children_html(_nest(es), 0, len(es) <= OPEN_ALL_UP_TO)
+    root = _nest(es)
+    widths = _Widths.of(root)
+    body = _children_html(root, 0, len(es) <= OPEN_ALL_UP_TO, widths)
     return ('<div class="lh-delayed" style="font-family:monospace;font-size:13px;'
             f'line-height:1.6">{_header(d, es)}{body}</div>')
 
 
-def _children_html(node: _Node, depth: int, open_all: bool) -> str:
+_INDENT = 3  # ch per level of nesting (a node's triangle and a space fit in it)
+_STATS = ("mean", "std", "min", "max")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Widths:
+    """Column widths in `ch` (the monospace font's character width), so that
+    every row's columns start at the same place whatever its depth or
+    values: the name column shrinks by the indent of its level."""
+
+    name: int
+    shape: int
+    dtype: int
+    stats: dict
+
+    @classmethod
+    def of(cls, root: _Node) -> _Widths:
+        names, shapes, dtypes = [1], [1], [1]
+        stats: dict = {k: 1 for k in _STATS}
+
+        def visit(node: _Node, depth: int) -> None:
+            for part, child in node.children.items():
+                if child.entry is not None:
+                    e = child.entry
+                    names.append(len(str(part)) + _INDENT * depth)
+                    for p in e.parts:
+                        if p.path:
+                            names.append(len(p.path) + _INDENT * (depth + 1))
+                        shapes.append(len(str(p.shape)))
+                        dtypes.append(len(str(p.dtype)))
+                        summary = describe(p.value) if p.computed else None
+                        if summary is not None and not isinstance(summary, str):
+                            for k in _STATS:
+                                stats[k] = max(stats[k], len(f"{k} {_num(getattr(summary, k))}"))
+                visit(child, depth + 1)
+        visit(root, 0)
+        return cls(max(names), max(shapes), max(dtypes), stats)
+
+
+def _children_html(node: _Node, depth: int, open_all: bool, widths: _Widths) -> str:
     out = []
     for part, child in node.children.items():
         name = html.escape(str(part))
         if child.entry is not None:
-            out.append(_leaf_html(name, child.entry))
+            out.append(_leaf_html(name, child.entry, depth, widths))
         if child.children:
             n = sum(1 for _ in _walk(child))
             opened = " open" if open_all or depth == 0 else ""
             out.append(
                 f'<details class="lh-node" data-part="{name}"{opened}>'
                 f'<summary><b>{name}</b> <span style="color:{_GREY}">({n})</span>'
-                f'</summary><div style="padding-left:1.4em">'
-                f'{_children_html(child, depth + 1, open_all)}</div></details>')
+                f'</summary><div style="padding-left:{_INDENT}ch">'
+                f'{_children_html(child, depth + 1, open_all, widths)}</div></details>')
     return "".join(out)
 
 
@@ -272,43 +313,47 @@ def _walk(node: _Node) -> Iterator[Entry]:
         yield from _walk(child)
 
 
-def _leaf_html(name: str, e: Entry) -> str:
+def _leaf_html(name: str, e: Entry, depth: int, widths: _Widths) -> str:
     state = "computed" if e.computed else "pending"
     keys = ", ".join(key_text(k) for k in (e.key, *e.aliases))
     attrs = (f'data-key="{html.escape(key_text(e.key))}" data-state="{state}" '
              f'title="{html.escape("keys: " + keys)}"')
-    label = f'<span class="lh-name" style="{_cell(8)}font-weight:bold">{name}</span>'
+    name_width = widths.name - _INDENT * depth
+    label = f'<span class="lh-name" style="{_cell(name_width)}font-weight:bold">{name}</span>'
     if len(e.parts) == 1 and not e.parts[0].path:
-        return f'<div class="lh-leaf" {attrs}>{label}{_part_html(e.parts[0])}</div>'
+        return f'<div class="lh-leaf" {attrs}>{label}{_part_html(e.parts[0], widths)}</div>'
     rows = "".join(
-        f'<div class="lh-part" data-part="{html.escape(p.path)}" style="padding-left:1.4em">'
-        f'<span style="{_cell(8)}">{html.escape(p.path)}</span>{_part_html(p)}</div>'
+        f'<div class="lh-part" data-part="{html.escape(p.path)}" '
+        f'style="padding-left:{_INDENT}ch"><span class="lh-name" '
+        f'style="{_cell(name_width - _INDENT)}">{html.escape(p.path)}</span>'
+        f'{_part_html(p, widths)}</div>'
         for p in e.parts)
     return (f'<details class="lh-leaf" {attrs} open><summary>{label}'
             f'<span style="color:{_GREY}">pytree of {len(e.parts)} arrays · {state}'
             f'</span></summary>{rows}</details>')
 
 
-def _cell(em: float) -> str:
-    return f"display:inline-block;min-width:{em}em;padding-right:0.8em;"
+def _cell(ch: int) -> str:
+    # (one space of padding after the column's widest content)
+    return f"display:inline-block;width:{ch + 1}ch;white-space:pre;"
 
 
-def _part_html(p: Part) -> str:
+def _part_html(p: Part, widths: _Widths) -> str:
     shape = html.escape(str(p.shape))
     dtype = html.escape(str(p.dtype))
     color = _GREEN if p.computed else _GREY
-    out = (f'<span class="lh-shape" style="{_cell(6)}">{shape}</span>'
-           f'<span class="lh-dtype" style="{_cell(5)}">{dtype}</span>'
-           f'<span class="lh-state" style="{_cell(5)}color:{color}">'
+    out = (f'<span class="lh-shape" style="{_cell(widths.shape)}">{shape}</span>'
+           f'<span class="lh-dtype" style="{_cell(widths.dtype)}">{dtype}</span>'
+           f'<span class="lh-state" style="{_cell(len("computed"))}color:{color}">'
            f'{"computed" if p.computed else "pending"}</span>')
     if not p.computed:
         return out
     s = describe(p.value)
     if isinstance(s, str):
         return out + f'<span class="lh-note" style="color:{_GREY}">{html.escape(s)}</span>'
-    for stat in ("mean", "std", "min", "max") if s.nonfinite < s.size else ():
-        out += (f'<span class="lh-stat" data-stat="{stat}" style="padding-right:0.8em;'
-                f'white-space:nowrap">{stat} {_num(getattr(s, stat))}</span>')
+    for stat in _STATS if s.nonfinite < s.size else ():
+        out += (f'<span class="lh-stat" data-stat="{stat}" style="{_cell(widths.stats[stat])}">'
+                f'{stat} {_num(getattr(s, stat))}</span>')
     if s.nonfinite:
         out += (f'<span class="lh-stat" data-stat="nonfinite" style="color:{_RED};'
                 f'padding-right:0.8em">nan/inf {s.nonfinite}</span>')
@@ -352,7 +397,11 @@ def _treescope_html(d: Any) -> str:
                                sites[raw].tree,
                                [Pending(p.shape, str(p.dtype)) for p in e.parts]))
     try:
-        body = treescope.render_to_html(tree, ignore_exceptions=True)
+        # (uncompressed: treescope inserts compressed content only once the
+        # output has been scrolled into view and decompressed asynchronously,
+        # so a page, a screenshot or a static notebook export shows
+        # "(Loading...)" until then)
+        body = treescope.render_to_html(tree, ignore_exceptions=True, compressed=False)
     except Exception:  # a treescope bug must not hide the DelayedDict
         return _plain_html(d)
     return f'<div class="lh-delayed">{_header(d, es)}{body}</div>'
