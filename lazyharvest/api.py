@@ -101,11 +101,12 @@ def _run(f: Callable, h: Harvest, plants: Any, args: tuple, kwargs: dict,
     # previous call's DelayedDict has had read so far (a loop reads the same
     # ones each step), and no others: they do not run their passes again.
     staged = how.with_dict and (_jax.any_tracer(flat) or _jax.any_tracer(plant_leaves))
-    keys, reads = traced.direct_keys(spec) if staged else [], None
-    if how.with_dict and not staged:
+    keys, reads = [], None
+    if staged:
+        keys = traced.direct_keys(spec)
+    elif how.with_dict:
         before = traced.reads.get(spec)
-        if before:
-            keys = [k for k in traced.direct_keys(spec) if k in before]
+        keys = [k for k in traced.direct_keys(spec) if k in before] if before else []
         reads = traced.reads[spec] = set()
     prog = traced.program(keys, with_out=True, plants=spec, pass_through=not how.with_dict)
     outs = prog(*flat, *plant_leaves)
@@ -148,6 +149,11 @@ class _Recent:
         # (tree, avals) -> (trace context, the Traced; for `plant`, the program)
         self.table: dict = {}
         self.lock = threading.Lock()
+
+    def get(self, key: Any) -> Any:
+        """What a call with this key remembered, in the current trace context; None otherwise."""
+        hit = self.table.get(key)
+        return hit[1] if hit is not None and hit[0] == _jax.trace_context() else None
 
     def remember(self, key: Any, traced: Any) -> None:
         with self.lock:
@@ -226,21 +232,25 @@ def _reaper(f: Callable, h: Harvest, how: _Call) -> Callable[..., DelayedDict]:
     def reaped(*args: Any, **kwargs: Any) -> DelayedDict:
         if kwargs or recent is None:
             return _run(f, h, None, args, kwargs, how)
-        leaves: Sequence[Any]
-        concrete = set(map(type, args)) == _ARRAYS
-        if concrete:  # jax.Arrays (no tracers): no tree to flatten
-            leaves, tree = args, len(args)
-        else:
-            leaves, tree = _jax.tree_flatten(args)
+        concrete, leaves, tree = _arg_leaves(args)
         try:
             key = (tree, tuple(map(_aval, leaves)))
         except AttributeError:  # not all arrays: the general path
             return _run(f, h, None, args, kwargs, how)
-        hit = recent.table.get(key)
-        if hit is not None and hit[0] == _jax.trace_context():
-            return DelayedDict(_Store(hit[1], leaves, concrete=concrete))
+        traced = recent.get(key)
+        if traced is not None:
+            return DelayedDict(_Store(traced, leaves, concrete=concrete))
         return _run(f, h, None, args, kwargs, how, functools.partial(recent.remember, key))
     return reaped
+
+
+def _arg_leaves(args: tuple) -> tuple[bool, Sequence[Any], Any]:
+    """(whether all are jax.Arrays, the leaves, their tree) of positional
+    arguments; arrays alone need no flattening (their tree: how many)."""
+    if set(map(type, args)) == _ARRAYS:
+        return True, args, len(args)
+    leaves, tree = _jax.tree_flatten(args)
+    return False, leaves, tree
 
 
 def call_and_reap(f: Callable, *, tag: Hashable,
@@ -358,14 +368,13 @@ def _planter(f: Callable, h: Harvest, how: _Call) -> Callable[..., Any]:
             leaves, tree = _jax.tree_flatten(plants)
         except TypeError:  # (keys JAX cannot sort)
             return _run(f, h, plants, args, kwargs, how)
-        flat, arg_tree = ((args, len(args)) if set(map(type, args)) == _ARRAYS
-                          else _jax.tree_flatten(args))
-        if set(map(type, flat)) != _ARRAYS or set(map(type, leaves)) - _ARRAYS:
+        concrete, flat, arg_tree = _arg_leaves(args)
+        if not (concrete or set(map(type, flat)) == _ARRAYS) or set(map(type, leaves)) - _ARRAYS:
             return _run(f, h, plants, args, kwargs, how)
         key = (tree, arg_tree, tuple(map(_aval, flat)), tuple(map(_aval, leaves)))
-        hit = recent.table.get(key)
-        if hit is not None and hit[0] == _jax.trace_context():
-            prog, out_tree, perm = hit[1]
+        hit = recent.get(key)
+        if hit is not None:
+            prog, out_tree, perm = hit
             outs = prog(*flat, *[leaves[i] for i in perm])
             return jax.tree_util.tree_unflatten(out_tree, outs[:out_tree.num_leaves])
         return _run(f, h, plants, args, kwargs, how,
