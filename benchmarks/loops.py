@@ -781,15 +781,24 @@ def _flops(compiled) -> float:
     return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
 
 
-def section_f() -> None:
-    n, d, heads, seq, batch = 6, 128, 4, 64, 8
+STEP = dict(n=6, d=128, heads=4, seq=64, batch=8)  # the training step of (f) and (g)
+
+
+def step_model():
+    """(site names, params, x, heads) of the (f)/(g) transformer."""
+    n, d, heads, seq, batch = (STEP[k] for k in ("n", "d", "heads", "seq", "batch"))
     names = [f"{k}{i}" for i in range(n) for k in ("a", "r")]
-    print(f"(f) jitted training step: loss, parameter gradients and the {len(names)} "
-          f"activation gradients of a {n}-layer transformer\n    (d_model {d}, {heads} "
-          f"heads, seq {seq}, batch {batch}); sites a{{i}} (after attention), r{{i}} "
-          f"(after the MLP)")
     params = transformer_params(n, d, seed=5)
     x = jax.random.normal(jax.random.PRNGKey(6), (batch, seq, d))
+    return names, params, x, heads
+
+
+def section_f() -> None:
+    names, params, x, heads = step_model()
+    print(f"(f) jitted training step: loss, parameter gradients and the {len(names)} "
+          f"activation gradients of a {STEP['n']}-layer transformer\n    (d_model "
+          f"{STEP['d']}, {heads} heads, seq {STEP['seq']}, batch {STEP['batch']}); sites "
+          f"a{{i}} (after attention), r{{i}} (after the MLP)")
     steps = make_steps(params, heads, names)
     if len(steps) < 4:
         print("    Flax is not installed: (4) skipped")
@@ -853,14 +862,11 @@ class _ProgramsRun:
 
 
 def section_g() -> None:
-    n, d, heads, seq, batch = 6, 128, 4, 64, 8
-    names = [f"{k}{i}" for i in range(n) for k in ("a", "r")]
+    names, params, x, heads = step_model()
     print(f"(g) eager training step (no jax.jit around it): "
           f"lh.call_and_reap(jax.value_and_grad(loss)) then d.compute() of the {len(names)} "
           f"activation gradients\n    of the (f) transformer, steady state (the same "
           f"leaves read every step) vs the jitted perturbation trick called eagerly")
-    params = transformer_params(n, d, seed=5)
-    x = jax.random.normal(jax.random.PRNGKey(6), (batch, seq, d))
     loss = make_tf_loss(heads, sow_at(names))
     car = lh.call_and_reap(jax.value_and_grad(loss), tag=T)
     hand = jax.jit(make_steps(params, heads, names)["(1) hand-written perturbation"]())
