@@ -11,6 +11,7 @@ import cycle.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import html
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -43,6 +44,12 @@ class Part:
     dtype: Any
     computed: bool
     value: Any  # the array when computed, else None
+
+    @functools.cached_property
+    def stats(self) -> Stats | str | None:
+        """`describe(value)` once (a page sizes its columns and then draws
+        them from it); None for a pending array."""
+        return describe(self.value) if self.computed else None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # holds arrays: compared by identity
@@ -280,7 +287,7 @@ class _Widths:
                             names.append(len(p.path) + _INDENT * (depth + 1))
                         shapes.append(len(str(p.shape)))
                         dtypes.append(len(str(p.dtype)))
-                        summary = describe(p.value) if p.computed else None
+                        summary = p.stats
                         if summary is not None and not isinstance(summary, str):
                             for k in _STATS:
                                 stats[k] = max(stats[k], len(f"{k} {_num(getattr(summary, k))}"))
@@ -346,9 +353,9 @@ def _part_html(p: Part, widths: _Widths) -> str:
            f'<span class="lh-dtype" style="{_cell(widths.dtype)}">{dtype}</span>'
            f'<span class="lh-state" style="{_cell(len("computed"))}color:{color}">'
            f'{"computed" if p.computed else "pending"}</span>')
-    if not p.computed:
+    s = p.stats
+    if s is None:  # pending
         return out
-    s = describe(p.value)
     if isinstance(s, str):
         return out + f'<span class="lh-note" style="color:{_GREY}">{html.escape(s)}</span>'
     for stat in _STATS if s.nonfinite < s.size else ():
@@ -475,7 +482,7 @@ def summary(d: Any, compute: bool = False) -> SummaryTable:
     rows = []
     for e in entries(d):
         for p in e.parts:
-            s = describe(p.value) if p.computed else None
+            s = p.stats
             note = s if isinstance(s, str) else ""  # integers and bools: no note
             rows.append(SummaryRow(
                 key_text(e.key) + p.path, p.shape, str(p.dtype),
