@@ -26,12 +26,9 @@ from lazyharvest._identity_cache import MISSING, IdentityCache
 from lazyharvest.keys import JVP, PRIMAL, VJP
 from lazyharvest.primitive import (
     active_tags,
-    collect,
-    collects,
-    count_sow,
     given_a_zero_tangent,
     is_masked,
-    planted_value,
+    planting_bind,
     sow_effect,
     sow_p,
     sub_jaxprs,
@@ -395,19 +392,12 @@ def _sown_keys(params: dict, only_in_loops: bool = False) -> set:
 
 
 def _make_remembering_bind(default):
-    """sow's bind hook: under jax.linearize, it also remembers the primal value
-    of a clobber site, for a while loop that follows (`_make_while_bind`)."""
+    """sow's bind hook: planting's (`planting_bind`), and under jax.linearize
+    it also remembers the primal value of a clobber site, for a while loop
+    that follows (`_make_while_bind`)."""
     bind = _make_bind(default)
 
     def bind_with_trace(trace, args, avals, params):
-        count_sow(params)
-        planted = planted_value(trace, params, list(args))
-        if planted is not None:  # in a custom rule of a planted program
-            if not collects(params):
-                return planted
-            args = planted  # a (constant) site of the rule's differentiation
-        elif params["path"][-1:] == (VJP,) and collects(params):
-            collect(params, args)
         outs = bind(trace, args, avals, params)
         kind = _jax.differentiation_kind(trace)
         if kind is not None:
@@ -416,7 +406,7 @@ def _make_remembering_bind(default):
             _EARLIER.setdefault(trace, {})[_site_key(params)] = (
                 params, [_jax.primal_of(trace, x) for x in outs])
         return outs
-    return bind_with_trace
+    return planting_bind(bind_with_trace)
 
 
 def _sown_elsewhere(trace, key: tuple) -> None:

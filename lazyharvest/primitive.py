@@ -225,6 +225,24 @@ def planted_value(trace: Any, params: dict, vals: list) -> list | None:
                 for v, p in zip(vals, entry[1](vals))]
 
 
+def planting_bind(bind: Callable) -> Callable:
+    """sow's bind hook around `bind`: counts the bind (`count_sow`); in a
+    `planting` block, a planted sow gives its planted leaves, and a collected
+    site's cotangent is kept (`collect`). derivative_sites wraps more around
+    it (jax >= 0.9); on jax 0.8 it is the hook."""
+    def bind_with_trace(trace, args, avals, params):
+        count_sow(params)
+        planted = planted_value(trace, params, list(args))
+        if planted is not None:  # in a custom rule of a planted program
+            if not collects(params):
+                return planted
+            args = planted  # a (constant) site of the rule's differentiation
+        elif params["path"][-1:] == (VJP,) and collects(params):
+            collect(params, args)
+        return bind(trace, args, avals, params)
+    return bind_with_trace
+
+
 def collects(params: dict) -> bool:
     """Whether the cotangents of this site are collected (`planting`)."""
     entry = _planted_entry(dict(params, path=()))
@@ -396,6 +414,8 @@ def _marked(params: dict, fn: Callable[[dict], dict]) -> dict:
 
 sow_p.def_impl(_impl)
 sow_p.def_effectful_abstract_eval(_abstract_eval)
+if not _jax.DERIVATIVE_SITES:  # (on jax >= 0.9 derivative_sites' hook wraps this one)
+    _jax.register_bind_hook(sow_p, planting_bind)
 _jax.mlir.register_lowering(sow_p, _lowering)
 _jax.ad.primitive_jvps[sow_p] = _jvp
 _jax.ad.primitive_transposes[sow_p] = _transpose
