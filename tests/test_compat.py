@@ -202,6 +202,7 @@ def _rebound(fn):
     return run, {e.primitive.name for e in closed.jaxpr.eqns}
 
 
+@pytest.mark.usefixtures("default_staging")
 def test_bind_eqn_rebinds_calls_with_their_rules():
     run, prims = _rebound(_program)
     assert {"custom_jvp_call", "custom_vjp_call", _jax.closed_call_p.name, "jit", "cond",

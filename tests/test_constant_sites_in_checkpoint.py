@@ -19,6 +19,7 @@ import pytest
 from jax import lax
 
 import lazyharvest as lh
+from helpers import skip_where_jax_checkpoints_scan3_wrongly
 from lazyharvest import _jax
 
 pytestmark = pytest.mark.skipif(
@@ -150,6 +151,12 @@ def _cases():
 
 CASES = _cases()
 each_case = pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+# under jax.linearize, jax.vjp and jax.grad: the cases whose scan is inside the
+# checkpoint and carries a value skip where JAX itself computes those wrongly
+_JAX_WRONG = skip_where_jax_checkpoints_scan3_wrongly()
+each_case_linearized = pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=[_JAX_WRONG] if "constant_scan" in k else [])
+             for k, c in CASES.items()], ids=CASES.keys())
 
 
 def cotangents(prog, values, ct):
@@ -171,7 +178,7 @@ def test_jvp_gives_the_zero_tangent_of_a_constant_site(case):
         close(d["jvp", n], tangents[n])
 
 
-@each_case
+@each_case_linearized
 def test_linear_function_gives_the_zero_tangent_under_the_plain_name(case):
     prog, values, _ = case
     d = reaped(jax.linearize(prog, X)[1], TX)
@@ -183,7 +190,7 @@ def test_linear_function_gives_the_zero_tangent_under_the_plain_name(case):
 
 # --- reverse mode: the cotangent of the reaped occurrence, no tangents -------------
 
-@each_case
+@each_case_linearized
 def test_backward_function_gives_the_cotangent_of_the_reaped_occurrence(case):
     prog, values, used = case
     d = reaped(jax.vjp(prog, X)[1], CT)
@@ -195,7 +202,7 @@ def test_backward_function_gives_the_cotangent_of_the_reaped_occurrence(case):
         assert any(np.any(np.asarray(v) != 0) for v in want.values())
 
 
-@each_case
+@each_case_linearized
 def test_grad_gives_values_and_cotangents_and_no_tangents(case):
     prog, values, _ = case
     d = reaped(jax.grad(prog), X)
@@ -208,6 +215,7 @@ def test_grad_gives_values_and_cotangents_and_no_tangents(case):
     close(jax.grad(prog)(X), jax.grad(lambda x: prog(x, zeros))(X))
 
 
+@_JAX_WRONG
 def test_the_cases_of_issue_31():
     # the numbers the issue gives, each from plain JAX
     d = reaped(jax.grad(stop_gradient_input), X)
@@ -265,6 +273,7 @@ def _constant_scan_in_a_checkpointed_scan_body(x, a, e=None):
     return jnp.sum(lax.scan(jax.checkpoint(outer), a, a)[0])
 
 
+@_JAX_WRONG
 def test_constant_scan_in_a_checkpointed_scan_body_under_grad():
     # (the wide law-7 run) a dead constant scan nested in a checkpointed scan
     # body: nine rows, each with a zero cotangent (it reaches no output)

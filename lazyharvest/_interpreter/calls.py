@@ -14,6 +14,7 @@ from typing import Any
 from lazyharvest import _jax
 from lazyharvest._interpreter.plumbing import finish, invar_avals, trace_body
 from lazyharvest._interpreter.run import EVAL_RULES, Run, bind
+from lazyharvest._interpreter.sites import HIGH_LEVEL_RULES
 
 
 def _jit(run: Run, eqn: _jax.JaxprEqn, invals: list, *, jaxpr, in_shardings,
@@ -64,6 +65,9 @@ def _high_level(run: Run, eqn: _jax.JaxprEqn, invals: list, *, _prim, **_) -> li
     naming the flag that made JAX stage it (docs/compat.md), rather than
     left unreaped; one holding only sites the filters leave out is bound
     unchanged."""
+    rule = HIGH_LEVEL_RULES.get(type(_prim))
+    if rule is not None:
+        return rule(run, eqn, invals, _prim=_prim)
     flag = _jax.hi_prim_flag(_prim)
     if flag is None:  # (CustomRoot, Nonzero...: JAX stages them with every flag off)
         impl = _jax.implementation(eqn)

@@ -110,6 +110,11 @@ EVAL_RULES: dict[_jax.Primitive, EvalRule] = {}
 because counting needs to know which primitives have none)."""
 
 
+HIGH_LEVEL_RULES: dict[type, EvalRule] = {}
+"""The rules for `call_hi_primitive` eqns (JAX's high-level primitives),
+keyed by the class of their `_prim` object."""
+
+
 def implementation(eqn: _jax.JaxprEqn) -> _jax.ClosedJaxpr | None:
     """For an eqn of a higher-order primitive with no rule of its own, the
     jaxpr of its implementation, through which the harvest looks inside it
@@ -144,7 +149,15 @@ def count_occurrences(jaxpr: _jax.Jaxpr, harvest: Harvest) -> Counts:
     return counts
 
 
+def handled_as(e: _jax.JaxprEqn) -> _jax.JaxprEqn:
+    """`e`, or the eqn the harvest handles in its place: for a `Scan3`
+    (`jax_scan3`), the `scan` it stands for (`_jax.scan3_as_scan`)."""
+    found = _jax.scan3_as_scan(e)
+    return e if found is None else found[0]
+
+
 def _count_eqn(e: _jax.JaxprEqn, harvest: Harvest) -> Counts:
+    e = handled_as(e)
     p = e.params
     if e.primitive is sow_p:
         if (harvest.owns(p) and harvest.selects(p) and not is_recomputed(p)
@@ -182,6 +195,7 @@ def evaluation_order(jaxpr: _jax.Jaxpr, harvest: Harvest, key: RawKey,
 
 def _eqn_order(e: _jax.JaxprEqn, harvest: Harvest, key: RawKey,
                ends: Callable[[RawKey], bool]) -> list[int]:
+    e = handled_as(e)
     p = e.params
     if e.primitive is sow_p:
         if not harvest.owns(p) or is_recomputed(p) or p.get("earlier"):

@@ -25,6 +25,9 @@ from lazyharvest._jax.versions import (  # noqa: F401  (first: it checks the ver
     require,
 )
 from lazyharvest._jax.control_flow import (  # noqa: F401
+    SCAN3,
+    scan3_as_scan,
+    scan3_params,
     scan_counts,
     scan_params,
     wrap_cond_batcher,
@@ -39,6 +42,7 @@ from lazyharvest._jax.core import (  # noqa: F401
     replace_jaxprs,
     sub_jaxprs,
     traced_for,
+    transforms,
     UNSPECIFIED,
     ArrayImpl,
     ClosedJaxpr,

@@ -6,6 +6,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from lazyharvest._identity_cache import MISSING, IdentityCache
+from lazyharvest._jax.core import (
+    HI_PRIM_FLAGS,
+    ClosedJaxpr,
+    JaxprEqn,
+    eval_jaxpr,
+    new_jaxpr_eqn,
+    scan_p,
+    trace_flat,
+)
+from lazyharvest._jax.versions import JAX_VERSION
+
 
 def scan_counts(params: dict) -> tuple[int, int]:
     """A scan eqn's (number of consts, number of carries).
@@ -41,6 +53,58 @@ def scan_params(params: dict, jaxpr: Any, num_consts: int, num_carry: int,
                 ft_in=_ft.pack((_ft.nones(num_consts), _ft.nones(num_carry),
                                 _ft.nones(n_xs))),
                 ft_out=_ft.pack((_ft.nones(num_carry), _ft.nones(n_ys))))
+
+
+SCAN3: type | None = next((c for c, f in HI_PRIM_FLAGS.items() if f == "jax_scan3"), None)
+_AS_SCAN = IdentityCache()  # (Scan3 object,) -> (scan params, order)
+
+
+def scan3_params(prim: Any) -> tuple[dict, list[int]] | None:
+    """For a `Scan3` object (`jax_scan3`), the params of the `scan` it
+    stands for, and `order`: which of the `Scan3`'s inputs each of the
+    scan's is; None for any other object. `Scan3` has no carry (the carry
+    is a Ref among its non-extensive inputs, which the body reads and
+    writes): its non-extensive inputs become the scan's consts, its
+    extensive ones the xs, in that order. Unlike `Scan3.expand` in jax
+    0.12, the scan honours `reverse`."""
+    if SCAN3 is None or not isinstance(prim, SCAN3):
+        return None
+    hit = _AS_SCAN.get((prim,))
+    if hit is MISSING:
+        hit = _scan_params_of(prim)
+        _AS_SCAN.put((prim,), None, hit)
+    return hit
+
+
+def scan3_as_scan(eqn: JaxprEqn) -> tuple[JaxprEqn, list[int]] | None:
+    """For a `Scan3` eqn, the `scan` eqn it stands for, and `order`
+    (`scan3_params`); None for any other eqn."""
+    found = scan3_params(eqn.params.get("_prim"))
+    if found is None:
+        return None
+    params, order = found
+    return new_jaxpr_eqn([eqn.invars[i] for i in order], eqn.outvars, scan_p, params,
+                         eqn.effects, eqn.source_info, eqn.ctx), order
+
+
+def _scan_params_of(prim: Any) -> tuple[dict, list[int]]:
+    body = prim.jaxpr
+    consts = list(getattr(body, "consts", ()) or ())
+    ext = list(prim.extensives)
+    order = [i for i, e in enumerate(ext) if not e] + [i for i, e in enumerate(ext) if e]
+    in_avals = list(body.in_avals)
+
+    def permuted(*args: Any) -> list:
+        full: list = [None] * len(args)
+        for pos, i in enumerate(order):
+            full[i] = args[pos]
+        return eval_jaxpr(body, consts, *full)
+    jaxpr, new_consts = trace_flat(permuted, [in_avals[i] for i in order])
+    n_consts = ext.count(False)
+    base: dict = {"reverse": prim.reverse, "length": prim.length, "unroll": prim.unroll}
+    if JAX_VERSION < (0, 11):  # (0.10: the counts as params)
+        base.update(num_consts=n_consts, num_carry=0)
+    return scan_params(base, ClosedJaxpr(jaxpr, new_consts), n_consts, 0), order
 
 
 def wrap_cond_batcher(make_rule: Callable[[Callable], Callable]) -> None:

@@ -589,6 +589,12 @@ def current_trace(trace: Any):
     return _core.set_current_trace(trace)
 
 
+def transforms(trace: Any) -> bool:
+    """Whether `trace` transforms what is bound on it (differentiation,
+    vmap...), rather than evaluating or staging it."""
+    return not isinstance(trace, (_core.EvalTrace, _pe.DynamicJaxprTrace))
+
+
 def zeros_like_aval(aval: Any) -> Any:
     """Zeros of `aval` exactly (weak type, float0, key dtypes), on the
     current trace: a stand-in for a value only its aval matters of."""

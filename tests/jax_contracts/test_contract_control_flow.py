@@ -3,6 +3,7 @@ the package rewrites, and cond's vmap rule (docs/compat.md)."""
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax import lax
 
 from helpers import close
@@ -25,6 +26,7 @@ def _scan_eqn():
     return f, eqn
 
 
+@pytest.mark.usefixtures("default_staging")
 def test_scan_p_params_count_consts_and_carries():
     """lazyharvest assumes a scan eqn's operands are (consts, carries, xs), counted by
     params `num_consts`/`num_carry` (jax < 0.11, with a per-input `linear`) or by
@@ -50,6 +52,7 @@ def test_scan_p_params_count_consts_and_carries():
     assert layer.scan_counts(p) == (1, 1)
 
 
+@pytest.mark.usefixtures("default_staging")
 def test_flattree_pack_nones():
     """lazyharvest assumes `flattree.pack(tuple of flattree.nones(n))` builds the
     `ft_in`/`ft_out` a flat scan has, where scans have them (jax >= 0.11;
@@ -74,6 +77,7 @@ def test_flattree_pack_nones():
     assert [len(g) for g in ft.pack((ft.nones(2), ft.nones(0))).unpack()] == [2, 0]
 
 
+@pytest.mark.usefixtures("default_staging")
 def test_scan_p_binds_with_rebuilt_params():
     """lazyharvest assumes a scan eqn re-bound with `scan_params(params, body, n_consts,
     n_carry)` for a body with other counts computes that body's scan (the
@@ -94,6 +98,48 @@ def test_scan_p_binds_with_rebuilt_params():
     close(outs, [h, C, ys])
     assert [e.primitive for e in staged.jaxpr.eqns] == [layer_core.scan_p], (
         f"a scan re-bound with scan_params no longer stages one scan on jax {V}")
+
+
+@pytest.mark.skipif(layer.SCAN3 is None, reason=f"jax {V} has no Scan3")
+@pytest.mark.parametrize("reverse", [False, True])
+def test_scan3_stands_for_the_scan_scan3_as_scan_builds(reverse):
+    """lazyharvest assumes that with `jax_scan3` on `lax.scan` stages a
+    `call_hi_primitive` eqn whose `_prim` is a `Scan3` with `extensives`,
+    `length`, `jaxpr` (no carry: the carry is a Ref input the body reads
+    and writes), `reverse` and `unroll`, and that the scan `scan3_as_scan`
+    builds from it (non-extensive inputs as consts, extensive ones as xs)
+    computes what `lax.scan` does with the flag off (_interpreter/loops.py)."""
+    f = lambda h: lax.scan(_body, h, XS, reverse=reverse)  # noqa: E731
+    want = f(jnp.float32(1.))  # the flag off
+    jax.config.update("jax_scan3", True)
+    try:
+        jaxpr = jax.make_jaxpr(f)(1.)
+    finally:
+        jax.config.update("jax_scan3", False)
+    (eqn,) = [e for e in jaxpr.eqns if isinstance(e.params.get("_prim"), layer.SCAN3)]
+    prim = eqn.params["_prim"]
+    # (inputs: the body's const C and the carry's Ref, then the xs)
+    assert (prim.length, prim.reverse, list(prim.extensives)) == (
+        2, reverse, [False, False, True]), f"Scan3's params changed on jax {V}"
+    scan_eqn, order = layer.scan3_as_scan(eqn)
+    assert scan_eqn.primitive is layer_core.scan_p and layer.scan_counts(scan_eqn.params) == (2, 0)
+
+    def run(h):  # the jaxpr, the Scan3 eqn replaced by the scan
+        env = {}
+
+        def read(v):
+            return v.val if isinstance(v, layer_core.Literal) else env[v]
+        env.update(zip(jaxpr.jaxpr.constvars, jaxpr.consts))
+        env[jaxpr.jaxpr.invars[0]] = h
+        for e in jaxpr.jaxpr.eqns:
+            if e is eqn:
+                e = scan_eqn
+            outs = layer_core.bind_eqn(e, [read(v) for v in e.invars])
+            outs = outs if e.primitive.multiple_results else [outs]
+            env.update(zip(e.outvars, outs))
+        return [read(v) for v in jaxpr.jaxpr.outvars]
+    close(jax.jit(run)(jnp.float32(1.)), list(jax.tree.leaves(want)))
+    assert [eqn.invars[i] for i in order] == scan_eqn.invars
 
 
 def test_cond_fancy_batcher_signature(monkeypatch):

@@ -137,6 +137,7 @@ STAGED = {
 }
 
 
+@pytest.mark.usefixtures("default_staging")
 @pytest.mark.parametrize("name", sorted(STAGED))
 def test_primitive_is_the_one_the_api_stages(name):
     """lazyharvest assumes each primitive object it imports (jax.extend.core.primitives,
