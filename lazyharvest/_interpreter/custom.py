@@ -24,6 +24,7 @@ from lazyharvest._identity_cache import MISSING, IdentityCache
 from lazyharvest._interpreter.plumbing import PlantOperands, split_list
 from lazyharvest._interpreter.run import EVAL_RULES, Replay, Run, bind
 from lazyharvest._interpreter.sites import (
+    HIGH_LEVEL_RULES,
     Harvest,
     RawKey,
     count_occurrences,
@@ -46,7 +47,13 @@ from lazyharvest.primitive import (
 def _custom(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call_jaxpr, **_) -> list:
     counts = count_occurrences(call_jaxpr.jaxpr, run.harvest)
     if any(k in run.plants for k in counts):
-        return _custom_planted(run, eqn, invals, call_jaxpr)
+        stripped = dict(_jax.unshared_thunks(eqn.params), call_jaxpr=run.stripped(call_jaxpr))
+        # The leading `num_consts` operands are values the user's function
+        # closes over: like the plants, operands the user's rule does not
+        # differentiate.
+        return _custom_planted(run, invals, call_jaxpr, lambda *xs: bind(eqn, list(xs), stripped),
+                               eqn.primitive is _jax.custom_jvp_call_p,
+                               eqn.params.get("num_consts", 0))
     if any(run.want(k) for k in counts):
         run.eval(call_jaxpr.jaxpr, call_jaxpr.consts, invals)
     return bind(eqn, invals, dict(eqn.params, call_jaxpr=run.stripped(call_jaxpr)))
@@ -54,6 +61,47 @@ def _custom(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call_jaxpr, **_) -> l
 
 EVAL_RULES[_jax.custom_jvp_call_p] = _custom
 EVAL_RULES[_jax.custom_vjp_call_p] = _custom
+
+
+def _custom_high_level(run: Run, eqn: _jax.JaxprEqn, invals: list, *, _prim, **_) -> list:
+    """A custom_jvp/custom_vjp staged as one of JAX's high-level primitives
+    (`CustomJVPTraced`, `CustomVJPTraced`: under the `jax_custom_*3` flags,
+    and with every flag off for `defvjp(..., generic_batching=True)` and
+    `defremat`). Its function's sites are reaped from the object's expansion
+    (the function), its outputs come from the primitive as it is, so the
+    user's rule stays in force; a planted one becomes a custom function of
+    (inputs, plants) whose rule is the user's (`_custom_planted`)."""
+    impl = _jax.implementation(eqn)
+    if impl is None:
+        return run.opaque(eqn, invals)
+    if not any(k in run.plants for k in count_occurrences(impl.jaxpr, run.harvest)):
+        return run.through_implementation(eqn, invals, impl, keep_unstripped=True)
+    # (the operands of the function's closure, and of a custom_vjp's forward
+    # rule only, lead: operands the user's rule does not differentiate)
+    n_c = _jax.custom_hi_prim_leading(_prim)
+    if n_c is None:
+        flag = _jax.hi_prim_flag(_prim)
+        return run.opaque(eqn, invals, what=f"a planted {type(_prim).__name__}, which JAX "
+                          f"stages with {flag} on,", flag=flag, yet=True)
+    return _custom_planted(run, invals, impl, lambda *xs: bind(eqn, list(xs)),
+                           _jax.hi_prim_flag(_prim) == "jax_custom_jvp3", n_c)
+
+
+for _cls, _flag in _jax.HI_PRIM_FLAGS.items():
+    if _flag in ("jax_custom_jvp3", "jax_custom_vjp3"):
+        HIGH_LEVEL_RULES[_cls] = _custom_high_level
+
+
+def _linearized(run: Run, eqn: _jax.JaxprEqn, invals: list, **_) -> list:
+    """The linear part JAX's differentiation makes of a high-level primitive
+    (`call_hi_primitive_linearized`: a custom function's rule applied to
+    tangents or cotangents) does not run the function whose sites its object
+    holds: bound as it is."""
+    return bind(eqn, invals)
+
+
+if _jax.call_hi_primitive_linearized_p is not None:
+    EVAL_RULES[_jax.call_hi_primitive_linearized_p] = _linearized
 
 
 # --- JAX's differentiation inside a harvest ------------------------------------
@@ -522,9 +570,11 @@ def _rule_plants(run: Run, ops: PlantOperands, counts: dict, start: dict) -> tup
     return in_rule, plant_cotangents
 
 
-def _custom_planted(run: Run, eqn: _jax.JaxprEqn, invals: list,
-                    closed: _jax.ClosedJaxpr) -> list:
-    """A custom_jvp/vjp call with plants inside its primal function.
+def _custom_planted(run: Run, invals: list, closed: _jax.ClosedJaxpr, original: Callable,
+                    is_jvp: bool, n_c: int) -> list:
+    """A custom_jvp/vjp call with plants inside its primal function `closed`;
+    `original(*invals)` binds the call (a custom_jvp's if `is_jvp`), whose
+    first `n_c` operands its rule does not differentiate.
 
     The planted primal is a new custom function of (inputs, plants) whose
     derivative rule is the user's, applied to the inputs; plants get a zero
@@ -546,16 +596,10 @@ def _custom_planted(run: Run, eqn: _jax.JaxprEqn, invals: list,
         run.end_inner_passes(inner.primal_sown)
     for k in ops.keys:
         run.cursor[k] = start.get(k, 0) + counts[k]
-    stripped = dict(_jax.unshared_thunks(eqn.params), call_jaxpr=run.stripped(closed))
-    original = lambda *xs: bind(eqn, list(xs), stripped)
     primal = lambda *a: planted(*a)[0]
-    # The leading `num_consts` operands are values the user's function closes
-    # over: like the plants, they are operands the user's rule does not
-    # differentiate.
-    n_c = eqn.params.get("num_consts", 0)
 
     in_rule, plant_cotangents = _rule_plants(run, ops, counts, start)
-    if eqn.primitive is _jax.custom_jvp_call_p:
+    if is_jvp:
         fun = _with_jvp_of(original, primal, n_c, n_in, in_rule)
     else:
         fun = _with_vjp_of(original, primal, n_c, n_in, in_rule, plant_cotangents)

@@ -34,7 +34,9 @@ from lazyharvest._jax.control_flow import (  # noqa: F401
 )
 from lazyharvest._jax.core import (  # noqa: F401
     HI_PRIM_FLAGS,
+    call_hi_primitive_linearized_p,
     call_hi_primitive_p,
+    custom_hi_prim_leading,
     hi_prim_flag,
     hi_prim_jaxprs,
     implementation,

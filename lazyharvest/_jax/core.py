@@ -138,6 +138,14 @@ def _high_level() -> tuple[Primitive | None, type | None, dict[type, str]]:
 # `call_hi_primitive_p` (None where JAX lacks it), the class of the `_prim`
 # objects it carries, and the flag that makes JAX stage each kind of them.
 call_hi_primitive_p, _HI_PRIM, HI_PRIM_FLAGS = _high_level()
+# the linear part JAX's differentiation makes of one (`HiPrim.linearized`,
+# transposed by its `vjp_bwd`): its `_prim` param holds the object
+call_hi_primitive_linearized_p: Primitive | None = None
+if call_hi_primitive_p is not None:
+    from jax._src import hijax as _hijax_module
+
+    call_hi_primitive_linearized_p = getattr(
+        _hijax_module, "call_hi_primitive_linearized_p", None)
 
 
 def hi_prim_jaxprs(x: Any) -> list:
@@ -255,6 +263,19 @@ def implementation(eqn: JaxprEqn) -> ClosedJaxpr | None:
 def _binds(jaxpr: Jaxpr, prim: Primitive) -> bool:
     return any(e.primitive is prim or any(_binds(j, prim) for j in sub_jaxprs(e.params))
                for e in jaxpr.eqns)
+
+
+def custom_hi_prim_leading(prim: Any) -> int | None:
+    """How many leading flat operands of a `CustomJVPTraced` /
+    `CustomVJPTraced` application are not the user's arguments: the
+    function's closure (`consts`), and a custom_vjp's `fwd_consts`. None
+    where its function closes over its closure instead (a `CustomVJPTraced`
+    before jax 0.12, which then cannot be bound again in another trace)."""
+    # (jax 0.12: `(consts, fwd_consts, *args)` / `(consts, *args)`)
+    if hi_prim_flag(prim) == "jax_custom_vjp3" and not hasattr(type(prim), "drop_fwd_consts"):
+        return None
+    n = 2 if hi_prim_flag(prim) == "jax_custom_vjp3" else 1
+    return sum(c.num_leaves for c in prim.in_tree.children()[:n])
 
 
 def hi_prim_flag(x: Any) -> str | None:

@@ -820,3 +820,29 @@ def test_jaxpr_and_eqn_replace_rewrite_params_in_nested_bodies():
     assert isinstance(_only(new.eqns, "while").params["body_jaxpr"], layer.ClosedJaxpr)
     close(layer.eval_jaxpr(new, closed.consts, 0.5)[0], f(0.5, 3))
     close(layer.eval_jaxpr(closed.jaxpr, closed.consts, 0.5)[0], f(0.5, 2))
+
+
+@pytest.mark.parametrize("flag", ["jax_custom_vjp3", "jax_custom_jvp3"])
+def test_custom_hi_prim_leading_counts_the_operands_that_are_not_arguments(flag):
+    """lazyharvest assumes the flat operands of a `CustomVJPTraced` /
+    `CustomJVPTraced` application are `custom_hi_prim_leading(prim)` leaves
+    that are not the user's arguments (the closure, a custom_vjp's forward
+    constants), then the arguments' leaves (custom.py's planted rule)."""
+    if flag not in layer.HI_PRIM_FLAGS.values():
+        pytest.skip(f"jax {jax.__version__} has no {flag}")
+    c = jnp.array([1.0, 2.0])  # closed over
+    jax.config.update(flag, True)
+    try:
+        if flag == "jax_custom_vjp3":
+            f = jax.custom_vjp(lambda x, y: jnp.sin(x) * y + c)
+            f.defvjp(lambda x, y: (f(x, y), (x, y)), lambda r, g: (g, g))
+        else:
+            f = jax.custom_jvp(lambda x, y: jnp.sin(x) * y + c)
+            f.defjvp(lambda p, t: (f(*p), t[0] + t[1]))
+        jaxpr = jax.make_jaxpr(f)(jnp.ones(2), (jnp.ones(2)))
+    finally:
+        jax.config.update(flag, False)
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive is layer.call_hi_primitive_p]
+    n = layer.custom_hi_prim_leading(eqn.params["_prim"])
+    assert len(eqn.invars) - n == 2, (
+        f"the operands of {type(eqn.params['_prim']).__name__} changed on jax {jax.__version__}")
