@@ -26,6 +26,7 @@ FLAGS = ("jax_scan3", "jax_remat3", "jax_custom_vjp3", "jax_custom_jvp3")
 FLAG_PARAMS = [pytest.param(f, marks=pytest.mark.skipif(
     f not in _jax.HI_PRIM_FLAGS.values(), reason=f"jax {jax.__version__} has no {f}"))
     for f in FLAGS]
+CUSTOM_FLAGS = [p for p in FLAG_PARAMS if p.values[0] in ("jax_custom_vjp3", "jax_custom_jvp3")]
 
 
 @pytest.fixture
@@ -64,7 +65,7 @@ def _program(flag_name):
     return lambda x: inner(_sow(x * 2, "outside")) + 1
 
 
-# the flags whose constructs' sites are still refused (the others': below)
+# the flag whose construct's sites are still refused (the others': below)
 REFUSED = [p for p in FLAG_PARAMS if p.values[0] == "jax_remat3"]
 
 
@@ -73,7 +74,7 @@ def test_a_site_inside_the_construct_raises_naming_the_flag(flag):
     f = _program(flag)
     eqns = jax.make_jaxpr(f)(0.3).eqns
     assert _jax.call_hi_primitive_p in [e.primitive for e in eqns], eqns
-    for g in (f, jax.jit(f)) + _differentiated(f, flag):
+    for g in (f, jax.jit(f), jax.grad(f)):
         if _stages_hi_prim(jax.make_jaxpr(g)(0.3).jaxpr):
             with pytest.raises(lh.HarvestError, match=flag):
                 lh.reap(g, tag="t")(0.3)["outside"]
@@ -84,6 +85,26 @@ def test_a_site_inside_the_construct_raises_naming_the_flag(flag):
             close(d["vjp", "inside"], jnp.cos(0.6))
     with pytest.raises(lh.HarvestError, match=flag):
         lh.plant(f, tag="t")({"inside": 1.0}, 0.3)
+
+
+@pytest.mark.parametrize("flag", CUSTOM_FLAGS, indirect=True)
+def test_a_site_inside_the_construct_is_reaped_with_its_cotangent(flag):
+    f = _program(flag)
+    eqns = jax.make_jaxpr(f)(0.3).eqns
+    assert _jax.call_hi_primitive_p in [e.primitive for e in eqns], eqns
+    for g in (f, jax.jit(f)):
+        d = lh.reap(g, tag="t")(0.3)
+        close(d["outside"], 0.6)
+        close(d["inside"], 0.6)
+    for g in _differentiated(f, flag):
+        d = lh.reap(g, tag="t")(0.3)
+        assert set(d) == {"outside", "inside", ("vjp", "outside")} | (
+            # (a custom function's own sites get none: JAX runs its rule)
+            set() if flag in ("jax_custom_vjp3", "jax_custom_jvp3") else {("vjp", "inside")})
+        close(d["outside"], 0.6)
+        close(d["vjp", "outside"], jnp.cos(0.6))
+        if ("vjp", "inside") in d:
+            close(d["vjp", "inside"], jnp.cos(0.6))
 
 
 @pytest.mark.parametrize("flag", FLAG_PARAMS, indirect=True)
@@ -252,9 +273,6 @@ def test_a_scan3_whose_sites_the_harvest_leaves_out_is_bound_as_it_is(flag):
 # used the function instead of the rule would show. Expected values: the same
 # custom function without sites, or written with the plant in place.
 
-CUSTOM = [p for p in FLAG_PARAMS if p.values[0] in ("jax_custom_vjp3", "jax_custom_jvp3")]
-
-
 def _custom_program(flag_name, generic_batching=False, inner=None):
     """cos(f(x)) for a custom function f (sin(2 x) with the rule 3 g), with a
     site on x (`out`) and one inside f (`in`); `inner` replaces the inside."""
@@ -305,6 +323,6 @@ def test_a_custom_vjp_with_generic_batching_harvests_with_every_flag_off():
     _check_custom_program("jax_custom_vjp3", generic_batching=True)
 
 
-@pytest.mark.parametrize("flag", CUSTOM, indirect=True)
+@pytest.mark.parametrize("flag", CUSTOM_FLAGS, indirect=True)
 def test_sites_inside_a_custom_function_under_its_flag(flag):
     _check_custom_program(flag)

@@ -92,12 +92,19 @@ for _cls, _flag in _jax.HI_PRIM_FLAGS.items():
         HIGH_LEVEL_RULES[_cls] = _custom_high_level
 
 
-def _linearized(run: Run, eqn: _jax.JaxprEqn, invals: list, **_) -> list:
-    """The linear part JAX's differentiation makes of a high-level primitive
-    (`call_hi_primitive_linearized`: a custom function's rule applied to
-    tangents or cotangents) does not run the function whose sites its object
-    holds: bound as it is."""
-    return bind(eqn, invals)
+def _linearized(run: Run, eqn: _jax.JaxprEqn, invals: list, *, _prim, **_) -> list:
+    """The linear part JAX's differentiation makes of a custom function
+    staged as a high-level primitive (`call_hi_primitive_linearized`: the
+    user's rule applied to tangents or cotangents) does not run the function
+    whose sites its object holds: bound as it is. That of another (a
+    `RematTraced`'s runs its body) is not looked into yet: refused, naming
+    the flag, where it holds a site the harvest takes."""
+    if HIGH_LEVEL_RULES.get(type(_prim)) is _custom_high_level:
+        return bind(eqn, invals)
+    flag = _jax.hi_prim_flag(_prim)
+    what = f"the linear part of a {type(_prim).__name__}" + (
+        f", which JAX stages with {flag} on," if flag else ",")
+    return run.opaque(eqn, invals, what=what, flag=flag, yet=True)
 
 
 if _jax.call_hi_primitive_linearized_p is not None:
