@@ -78,17 +78,13 @@ def _custom_high_level(run: Run, eqn: _jax.JaxprEqn, invals: list, *, _prim, **_
         return run.through_implementation(eqn, invals, impl, keep_unstripped=True)
     # (the operands of the function's closure, and of a custom_vjp's forward
     # rule only, lead: operands the user's rule does not differentiate)
-    n_c = _jax.custom_hi_prim_leading(_prim)
-    if n_c is None:
-        flag = _jax.hi_prim_flag(_prim)
-        return run.opaque(eqn, invals, what=f"a planted {type(_prim).__name__}, which JAX "
-                          f"stages with {flag} on,", flag=flag, yet=True)
     return _custom_planted(run, invals, impl, lambda *xs: bind(eqn, list(xs)),
-                           _jax.hi_prim_flag(_prim) == "jax_custom_jvp3", n_c)
+                           _jax.hi_prim_flag(_prim) == "jax_custom_jvp3",
+                           _jax.custom_hi_prim_leading(_prim))
 
 
 for _cls, _flag in _jax.HI_PRIM_FLAGS.items():
-    if _flag in ("jax_custom_jvp3", "jax_custom_vjp3"):
+    if _flag in ("jax_custom_jvp3", "jax_custom_vjp3") and _jax.CUSTOM_HI_PRIMS:
         HIGH_LEVEL_RULES[_cls] = _custom_high_level
 
 

@@ -15,6 +15,7 @@ from lazyharvest._jax.versions import (  # noqa: F401  (first: it checks the ver
     BWD_RETURNS_LOGS,
     CUSTOM_CALL_HOOKS,
     DCE_LIVE_INPUTS,
+    CUSTOM_HI_PRIMS,
     DERIVATIVE_SITES,
     JAX_VERSION,
     LINEARIZE_STRUCTURED,

@@ -265,15 +265,11 @@ def _binds(jaxpr: Jaxpr, prim: Primitive) -> bool:
                for e in jaxpr.eqns)
 
 
-def custom_hi_prim_leading(prim: Any) -> int | None:
+def custom_hi_prim_leading(prim: Any) -> int:
     """How many leading flat operands of a `CustomJVPTraced` /
-    `CustomVJPTraced` application are not the user's arguments: the
-    function's closure (`consts`), and a custom_vjp's `fwd_consts`. None
-    where its function closes over its closure instead (a `CustomVJPTraced`
-    before jax 0.12, which then cannot be bound again in another trace)."""
-    # (jax 0.12: `(consts, fwd_consts, *args)` / `(consts, *args)`)
-    if hi_prim_flag(prim) == "jax_custom_vjp3" and not hasattr(type(prim), "drop_fwd_consts"):
-        return None
+    `CustomVJPTraced` application (jax >= 0.12: `(consts, fwd_consts, *args)`
+    / `(consts, *args)`) are not the user's arguments: the function's
+    closure, and a custom_vjp's `fwd_consts`."""
     n = 2 if hi_prim_flag(prim) == "jax_custom_vjp3" else 1
     return sum(c.num_leaves for c in prim.in_tree.children()[:n])
 

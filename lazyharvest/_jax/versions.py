@@ -63,6 +63,13 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Primitive  # noqa: E402
 # hooks with avals); on it those sites behave as before (docs/compat.md).
 DERIVATIVE_SITES = JAX_VERSION >= (0, 9)
 
+# Sites inside a custom function JAX stages as a high-level primitive
+# (`CustomJVPTraced`/`CustomVJPTraced`) are harvested on jax >= 0.12, whose
+# applications take the function's closure as leading operands and can be
+# bound again in another trace; on 0.10 and 0.11 (closure inside the object)
+# they are refused, naming the flag (docs/compat.md).
+CUSTOM_HI_PRIMS = JAX_VERSION >= (0, 12)
+
 # jax >= 0.11 merged `ClosedJaxpr` into `Jaxpr`: a jaxpr's constvars are its
 # leading inputs that have values attached (`jaxpr.consts`); without them
 # attached, they are plain leading invars.
