@@ -66,8 +66,8 @@ EVAL_RULES[_jax.custom_vjp_call_p] = _custom
 def _custom_high_level(run: Run, eqn: _jax.JaxprEqn, invals: list, *, _prim, **_) -> list:
     """A custom_jvp/custom_vjp staged as one of JAX's high-level primitives
     (`CustomJVPTraced`, `CustomVJPTraced`: under the `jax_custom_*3` flags,
-    and with every flag off for `defvjp(..., generic_batching=True)` and
-    `defremat`). Its function's sites are reaped from the object's expansion
+    and with every flag off for `defvjp(..., generic_batching=True)`; jax
+    >= 0.12). Its function's sites are reaped from the object's expansion
     (the function), its outputs come from the primitive as it is, so the
     user's rule stays in force; a planted one becomes a custom function of
     (inputs, plants) whose rule is the user's (`_custom_planted`)."""
