@@ -16,7 +16,7 @@ import pytest
 from jax import lax
 
 import lazyharvest as lh
-from helpers import close
+from helpers import close, jax_flag
 from lazyharvest import _jax
 from lazyharvest._interpreter import sub_jaxprs
 
@@ -33,12 +33,8 @@ CUSTOM_FLAGS = [p for p in FLAG_PARAMS if p.values[0] in ("jax_custom_vjp3", "ja
 
 @pytest.fixture
 def flag(request):
-    name = request.param
-    jax.config.update(name, True)
-    try:
-        yield name
-    finally:
-        jax.config.update(name, False)
+    with jax_flag(request.param):
+        yield request.param
 
 
 def _sow(x, name):
@@ -269,6 +265,54 @@ def test_a_scan3_whose_sites_the_harvest_leaves_out_is_bound_as_it_is(flag):
     assert any(isinstance(p, _jax.SCAN3) for p in _hi_prims(jaxpr(0.2).jaxpr))
     jaxpr = jax.make_jaxpr(lambda x: lh.call_and_reap(_scanned, tag="t")(x)[0])
     assert not _stages_hi_prim(jaxpr(0.2).jaxpr)  # (the scan it stands for instead)
+
+
+WS = jnp.array([0.5, 1.1, -0.8, 1.3])
+
+
+def _layer(w, c):
+    return lh.sow(jnp.sin(w * c), tag="t", name="h", mode="append")
+
+
+def _rule_recomputing_a_scan():
+    """A scan over layers whose backward rule recomputes each layer under
+    `jax.vjp`, in a reverse scan of its own (which a harvest runs in
+    reverse, as lax.scan defines it, though JAX 0.12's Scan3 ignores it)."""
+    @jax.custom_vjp
+    def run(ws, c0):
+        return lax.scan(lambda c, w: (_layer(w, c), None), c0, ws)[0]
+
+    def fwd(ws, c0):
+        last, cs = lax.scan(lambda c, w: (_layer(w, c), c), c0, ws)
+        return last, (ws, cs)
+
+    def bwd(res, g):
+        ws, cs = res
+
+        def step(gc, wc):
+            gw, gc = jax.vjp(_layer, *wc)[1](gc)
+            return gc, gw
+        gc, gws = lax.scan(step, g, (ws, cs), reverse=True)
+        return gws, gc
+    run.defvjp(fwd, bwd)
+    return lambda ws: jnp.sum(run(ws, 0.7) ** 2)
+
+
+@pytest.mark.parametrize("flag", SCAN3, indirect=True)
+def test_a_rule_recomputing_inside_a_scan3_adds_no_occurrence(flag):
+    # The backward rule's sows are marked as recomputations in every body it
+    # runs, a Scan3's too (rebuilt with its body rewritten). Was: the Scan3's
+    # were not, and its values came back as a key ("primal", "h").
+    def plain(ws, eps):  # the loop written out, eps added at each occurrence
+        c, out = 0.7, []
+        for i in range(len(ws)):
+            c = jnp.sin(ws[i] * c) + eps[i]
+            out.append(c)
+        return jnp.sum(c ** 2), jnp.stack(out)
+    d = lh.reap(jax.grad(_rule_recomputing_a_scan()), tag="t")(WS)
+    assert set(d.keys()) == {"h", ("vjp", "h")}
+    close(d["h"], plain(WS, jnp.zeros(4))[1])
+    close(d["vjp", "h"], jax.grad(lambda e: plain(WS, e)[0])(jnp.zeros(4)))
 
 
 # --- sites inside a custom function staged as a high-level primitive -----------------

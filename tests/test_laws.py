@@ -17,7 +17,14 @@ from hypothesis import strategies as st
 from jax import lax
 
 import lazyharvest as lh
-from helpers import X, close, fresh_victim, simplest_with
+from helpers import (
+    X,
+    close,
+    fresh_victim,
+    known_gap_under_scan3,
+    simplest_with,
+    skip_where_jax_checkpoints_scan3_wrongly,
+)
 from lazyharvest import _jax
 from lazyharvest import testing as T
 from lazyharvest.testing.random_programs import (
@@ -815,6 +822,7 @@ def test_regression_plant_gradient_past_a_jitted_custom_vjp_closing_over_an_arra
     T.check_vjp(f, XS, tag="t", subset=1)
 
 
+@known_gap_under_scan3()
 @pytest.mark.parametrize("uses_the_site", [False, True])
 def test_regression_plant_gradient_past_a_scan_of_a_rule_closing_over_an_array(uses_the_site):
     # (the wide searches, reduced) A jitted scan whose body calls a
@@ -906,7 +914,7 @@ needs_custom_call_hooks = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("which", [
-    "closure_in_scan",
+    pytest.param("closure_in_scan", marks=known_gap_under_scan3()),
     pytest.param("recompute_under_a_label_scope", marks=needs_custom_call_hooks)])
 def test_regression_wide_search_programs(which):
     # (a wide search; docs/laws.md lists the fixes, and the reduced programs:
@@ -1001,6 +1009,7 @@ def test_regression_invariant_cond_holding_an_append_site_under_grad(kind):
                                rtol=1e-6)
 
 
+@skip_where_jax_checkpoints_scan3_wrongly()
 def test_regression_invariant_append_site_in_a_checkpointed_scan_under_grad():
     # jax.checkpoint's split of a scan hoists loop invariants its own way: the
     # append site was sown once (1 row) under jax.grad.

@@ -233,3 +233,29 @@ def test_a_cell_with_an_integer_ref_reaps_values_and_cotangents_under_grad(kind)
     assert set(d) == {"h", "steps", ("jvp", "h")}, d
     close(d["jvp", "h"], jax.jit(lambda x: jax.jvp(
         lambda x: plain(x, _zeros(kind))[1], (x,), (t,))[1])(CELL_XS))
+
+
+def test_a_cotangent_plant_owed_in_a_scan_writing_a_ref_writes_it_once():
+    # A cotangent planted at a clobber site that a forward scan may not sow
+    # (the backward pass of a reverse scan, here one accumulating into a
+    # Ref): a first pass finds the highest iteration that sows it. Was: that
+    # pass wrote the program's Refs too, so the real pass started from the
+    # cotangent the first left there (every gradient scaled by 0.5 ** 3).
+    def f(xs):
+        r = jax.new_ref(jnp.float32(0.1))
+
+        def body(_, xi):
+            v = lax.cond(xi > 0.5, lambda o: lh.sow(jnp.cos(o), tag="t", name="s",
+                                                    mode="clobber"), jnp.sin, xi)
+            r[...] = 0.5 * r[...] + v
+            return None, None
+        lax.scan(body, None, xs, reverse=True)
+        return r[...]
+
+    xs = jnp.array([0.9, 0.7, 0.2])
+    got = lh.plant(jax.vjp(f, xs)[1], tag="t")({"s": 2.}, jnp.float32(1.))[0]
+    # plain JAX: 2. added to the cotangent of the reaped occurrence of "s"
+    # (iteration 1, the highest that sows it)
+    want = jax.vjp(lambda xs: (f(xs), jnp.cos(xs[1])), xs)[1](
+        (jnp.float32(1.), jnp.float32(2.)))[0]
+    close(got, want)

@@ -22,7 +22,7 @@ import pytest
 from jax import lax
 
 import lazyharvest as lh
-from helpers import close
+from helpers import close, jax_flag
 from lazyharvest import _jax
 from lazyharvest._interpreter import sub_jaxprs
 from lazyharvest.primitive import sow_p
@@ -205,11 +205,8 @@ FLAGS = [pytest.param(f, marks=pytest.mark.skipif(
 
 @pytest.fixture
 def flag(request):
-    jax.config.update(request.param, True)
-    try:
+    with jax_flag(request.param):
         yield request.param
-    finally:
-        jax.config.update(request.param, False)
 
 
 def _construct(flag_name):

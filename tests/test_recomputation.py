@@ -14,7 +14,7 @@ import pytest
 from jax import lax
 
 import lazyharvest as lh
-from helpers import close
+from helpers import close, skip_where_jax_ignores_scan3_reverse
 from lazyharvest import _jax
 
 # a rule's functions are replaced through the custom call's hook (docs/compat.md)
@@ -95,6 +95,13 @@ def test_a_checkpointing_rule_adds_no_occurrence(mode, backward_loop):
         vals, cts = vals[-1], cts[-1]  # the last forward occurrence, and its cotangent
     close(d["h"], vals)
     close(d["vjp", "h"], cts)
+
+
+@pytest.mark.parametrize("backward_loop", [  # (the rule's reverse scan)
+    pytest.param("scan", marks=skip_where_jax_ignores_scan3_reverse()), "while"])
+@pytest.mark.parametrize("mode", ["append", "clobber"])
+def test_the_checkpointing_rule_gives_the_gradient_of_the_loop(mode, backward_loop):
+    loss = checkpointed(mode, backward_loop)
     close(jax.grad(loss)(WS), jax.grad(_plain)(WS, jnp.zeros(4)))
 
 

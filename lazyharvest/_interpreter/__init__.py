@@ -35,6 +35,7 @@ from lazyharvest._interpreter.sites import (
     contains_sites,
     count_occurrences,
     describe,
+    handled_as,
     jaxpr_has_sites,
     raw_key,
     sub_jaxprs,
@@ -42,7 +43,7 @@ from lazyharvest._interpreter.sites import (
 
 __all__ = [
     "ANY_TAG", "COUNT_RULES", "EVAL_RULES", "Body", "Counts", "Harvest", "Plant",
-    "PlantOperands", "RawKey", "Record", "Run", "Site", "add_counts", "bind",
+    "PlantOperands", "RawKey", "Record", "Run", "Site", "add_counts", "bind", "handled_as",
     "contains_sites", "count_occurrences", "describe", "jaxpr_has_sites", "finish", "invar_avals",
     "merge", "per_site", "plant_order", "raw_key", "split_list", "strip_all_sites",
     "sub_jaxprs", "trace_body", "zeros",

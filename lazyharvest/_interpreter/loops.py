@@ -395,7 +395,7 @@ def _highest_sowing(run: Run, eqn: _jax.JaxprEqn, jaxpr: _jax.ClosedJaxpr,
     params = _scan_params(eqn.params, new_jaxpr,
                           [nb, num_consts, 0, num_carry, 0,
                            len(jaxpr.jaxpr.invars) - num_consts - num_carry, len(plan.xs), 0])
-    outs = bind(eqn, [*body.consts, *invals, *plan.xs], params)
+    outs = bind(eqn, [*body.consts, *map(_copy_if_ref, invals), *plan.xs], params)
     owed, none = [], []
     for f, init in zip(outs[num_carry:], plan.owed_init):
         later = lax.cummax(f[::-1].astype(np.int32))[::-1]  # some iteration >= i sows
@@ -403,6 +403,16 @@ def _highest_sowing(run: Run, eqn: _jax.JaxprEqn, jaxpr: _jax.ClosedJaxpr,
         owed.append(f & ~later & init)
         none.append(~jnp.any(f, axis=0) & init)
     return owed, none
+
+
+def _copy_if_ref(x: Any) -> Any:
+    """A Ref's copy (a fresh Ref holding its value), anything else as it is:
+    the pass that only finds where sites are sown must not write the
+    program's Refs a second time (under jax_scan3, a scan's carry is one)."""
+    ref = getattr(jax, "ref", None)  # (jax >= 0.9)
+    if ref is not None and isinstance(jax.typeof(x), ref.AbstractRef):
+        return jax.new_ref(x[...])
+    return x
 
 
 def _scan_params(p: dict, new_jaxpr: _jax.Jaxpr, sizes: list[int]) -> dict:

@@ -43,6 +43,7 @@ from lazyharvest._jax.core import (  # noqa: F401
     implementation,
     primitive_origin,
     replace_jaxprs,
+    rebuilt_hi_prim,
     sub_jaxprs,
     traced_for,
     transforms,

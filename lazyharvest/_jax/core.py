@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -160,6 +161,26 @@ def hi_prim_jaxprs(x: Any) -> list:
         return [j for _name, j in nested(x)]
     # (jax < 0.12: among its attributes: a jaxpr, a params dict, a `Traced`)
     return [j for v in getattr(x, "__dict__", {}).values() for j in _jaxprs_in(v)]
+
+
+def rebuilt_hi_prim(x: Any, fn: Callable[[Any], Any]) -> Any:
+    """A high-level primitive object built again from its params, each as
+    `fn` maps it (`x` itself where none changed); None where its class is
+    not built from its params (the custom functions' objects hold traced
+    functions): `Scan3`, `RematTraced`. JAX rebuilds them the same way in
+    their `jvp`/`batch` methods."""
+    params = getattr(x, "params", None)
+    if not hi_prim_jaxprs(x) or not isinstance(params, dict):
+        return None
+    accepted = inspect.signature(type(x).__init__).parameters
+    if not set(params) <= set(accepted) or any(
+            p.default is p.empty and n not in params
+            for n, p in list(accepted.items())[1:]):
+        return None
+    new = {k: fn(v) for k, v in params.items()}
+    if all(new[k] is v for k, v in params.items()):
+        return x
+    return type(x)(**new)
 
 
 def _jaxprs_in(v: Any) -> list:
@@ -393,7 +414,8 @@ def _map_param(v: Any, prim: Primitive, fn: Callable[[dict], dict],
     if isinstance(v, (tuple, list)) and any(isinstance(x, (Jaxpr, ClosedJaxpr)) for x in v):
         new = [_map_param(x, prim, fn, effect) for x in v]
         return v if all(a is b for a, b in zip(new, v)) else type(v)(new)
-    return v
+    rebuilt = rebuilt_hi_prim(v, lambda x: _map_param(x, prim, fn, effect))
+    return v if rebuilt is None else rebuilt
 
 
 def identity_eqn(eqn: JaxprEqn) -> JaxprEqn:

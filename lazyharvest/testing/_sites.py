@@ -17,7 +17,7 @@ import jax
 import lazyharvest as lh
 
 # lazyharvest internals: imported here and nowhere else in the package.
-from lazyharvest._interpreter import sub_jaxprs
+from lazyharvest._interpreter import handled_as, sub_jaxprs
 from lazyharvest.delayed import LEAF_AT_PREFIX
 from lazyharvest.keys import PRIMAL, Key, normalize
 from lazyharvest.primitive import sow_p
@@ -147,6 +147,7 @@ def _count_sites(jaxpr: Any, tag: Hashable) -> dict[Key, SiteInfo]:
                     and not p.get("recompute")):
                 _add_counts(out, {(*p["scopes"], p["name"]): SiteInfo(p["mode"], 1)})
             continue
+        eqn = handled_as(eqn)  # (a `Scan3` counts as the scan it stands for)
         name = eqn.primitive.name
         subs = list(sub_jaxprs(eqn.params))
         if name == "cond":

@@ -673,7 +673,7 @@ class _Runner:
         self.laws = set(laws)
         self.verbose = verbose
         self.results: dict[int, str] = {}
-        self.failures: list[str] = []
+        self.failures: list[AssertionError] = []
 
     def __call__(self, n: int, thunk: Callable[[], Any], skip: str | None = None) -> None:
         if n not in self.laws:
@@ -685,7 +685,7 @@ class _Runner:
             try:
                 thunk()
             except AssertionError as e:
-                self.failures.append(str(e))
+                self.failures.append(e)
                 self.results[n] = "failed"
             else:
                 self.results[n] = "passed"
@@ -696,7 +696,10 @@ class _Runner:
 
     def report(self) -> LawReport:
         if self.failures:
-            raise AssertionError("\n\n".join(self.failures))
+            # (the first failure's cause, an error a law raised, stays reachable)
+            first = self.failures[0]
+            raise AssertionError("\n\n".join(map(str, self.failures))) from (
+                first.__cause__ or first)
         return LawReport(self.results)
 
 

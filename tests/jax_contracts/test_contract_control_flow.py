@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from helpers import close
+from helpers import close, jax_flag
 from lazyharvest._jax import control_flow as layer
 from lazyharvest._jax import core as layer_core
 
@@ -101,6 +101,7 @@ def test_scan_p_binds_with_rebuilt_params():
 
 
 @pytest.mark.skipif(layer.SCAN3 is None, reason=f"jax {V} has no Scan3")
+@pytest.mark.usefixtures("default_staging")  # (the flags as they were, after it)
 @pytest.mark.parametrize("reverse", [False, True])
 def test_scan3_stands_for_the_scan_scan3_as_scan_builds(reverse):
     """lazyharvest assumes that with `jax_scan3` on `lax.scan` stages a
@@ -111,11 +112,8 @@ def test_scan3_stands_for_the_scan_scan3_as_scan_builds(reverse):
     computes what `lax.scan` does with the flag off (_interpreter/loops.py)."""
     f = lambda h: lax.scan(_body, h, XS, reverse=reverse)  # noqa: E731
     want = f(jnp.float32(1.))  # the flag off
-    jax.config.update("jax_scan3", True)
-    try:
+    with jax_flag("jax_scan3"):
         jaxpr = jax.make_jaxpr(f)(1.)
-    finally:
-        jax.config.update("jax_scan3", False)
     (eqn,) = [e for e in jaxpr.eqns if isinstance(e.params.get("_prim"), layer.SCAN3)]
     prim = eqn.params["_prim"]
     # (inputs: the body's const C and the carry's Ref, then the xs)

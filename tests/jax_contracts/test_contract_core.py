@@ -13,7 +13,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from helpers import close, load_module
+from helpers import close, jax_flag, load_module
 from lazyharvest._jax import core as layer
 from lazyharvest._jax import versions
 
@@ -772,11 +772,8 @@ def test_hijax_call_hi_primitive(flag):
     assert flag in layer.HI_PRIM_FLAGS.values(), (
         f"jax {V} has the flag {flag}, but the layer finds no class for it")
     assert layer.call_hi_primitive_p is not None
-    jax.config.update(flag, True)
-    try:
+    with jax_flag(flag):
         eqns = _eqns(_construct(flag), 1.)
-    finally:
-        jax.config.update(flag, False)
     (eqn,) = [e for e in eqns if e.primitive is layer.call_hi_primitive_p]
     hi = eqn.params["_prim"]
     assert isinstance(hi, layer._HI_PRIM) and layer.hi_prim_flag(hi) == flag, (
@@ -786,6 +783,37 @@ def test_hijax_call_hi_primitive(flag):
     assert "sin" in inner, (
         f"the jaxprs of a {type(hi).__name__} (hijax._pp_hi_subjaxprs, or its "
         f"attributes before 0.12) no longer hold the body on jax {V}: {inner}")
+
+
+@pytest.mark.parametrize("flag", ["jax_scan3", "jax_remat3"])
+def test_scan3_and_remat_traced_are_built_again_from_their_params(flag):
+    """lazyharvest assumes a `Scan3` and a `RematTraced` are built from
+    their `params` (`type(x)(**x.params)`, as JAX rebuilds them), so a body
+    rewritten in place gives one that computes what the rewrite says
+    (core.rebuilt_hi_prim, map_params: a custom rule's recomputed sites)."""
+    if flag not in layer.HI_PRIM_FLAGS.values():
+        pytest.skip(f"jax {V} has no {flag}")
+    with jax_flag(flag):
+        closed = jax.make_jaxpr(_construct(flag))(1.)
+    (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive is layer.call_hi_primitive_p]
+    hi = eqn.params["_prim"]
+    assert layer.rebuilt_hi_prim(hi, lambda v: v) is hi
+    cos = jax.make_jaxpr(jnp.cos)(1.)
+
+    def swap(v):  # the body's sin replaced by cos
+        if not isinstance(v, layer.ClosedJaxpr):
+            return v
+        eqns = [e.replace(primitive=cos.jaxpr.eqns[0].primitive) if e.primitive.name == "sin"
+                else e for e in v.jaxpr.eqns]
+        return layer.ClosedJaxpr(v.jaxpr.replace(eqns=eqns), v.consts)
+    new = layer.rebuilt_hi_prim(hi, swap)
+    assert type(new) is type(hi) and new is not hi, (
+        f"a {type(hi).__name__} is no longer built from its params on jax {V}")
+    jaxpr = closed.jaxpr.replace(eqns=[e.replace(params=dict(e.params, _prim=new))
+                                       if e is eqn else e for e in closed.jaxpr.eqns])
+    got = jax.core.eval_jaxpr(jaxpr, closed.consts, jnp.float32(1.))[0]
+    want = jnp.cos(jnp.cos(1.)) if flag == "jax_scan3" else jnp.cos(1.)
+    close(got, want)
 
 
 def test_implementation_of_a_high_level_primitive_is_its_expansion():
@@ -832,8 +860,7 @@ def test_custom_hi_prim_leading_counts_the_operands_that_are_not_arguments(flag)
     if flag not in layer.HI_PRIM_FLAGS.values() or not CUSTOM_HI_PRIMS:
         pytest.skip(f"jax {jax.__version__} has no {flag}, or its sites are refused")
     c = jnp.array([1.0, 2.0])  # closed over
-    jax.config.update(flag, True)
-    try:
+    with jax_flag(flag):
         if flag == "jax_custom_vjp3":
             f = jax.custom_vjp(lambda x, y: jnp.sin(x) * y + c)
             f.defvjp(lambda x, y: (f(x, y), (x, y)), lambda r, g: (g, g))
@@ -841,8 +868,6 @@ def test_custom_hi_prim_leading_counts_the_operands_that_are_not_arguments(flag)
             f = jax.custom_jvp(lambda x, y: jnp.sin(x) * y + c)
             f.defjvp(lambda p, t: (f(*p), t[0] + t[1]))
         jaxpr = jax.make_jaxpr(f)(jnp.ones(2), (jnp.ones(2)))
-    finally:
-        jax.config.update(flag, False)
     (eqn,) = [e for e in jaxpr.eqns if e.primitive is layer.call_hi_primitive_p]
     n = layer.custom_hi_prim_leading(eqn.params["_prim"])
     assert len(eqn.invars) - n == 2, (

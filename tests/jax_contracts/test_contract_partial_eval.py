@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
+from helpers import jax_flag
 from lazyharvest._jax import core as layer_core
 from lazyharvest._jax import partial_eval as layer
 from lazyharvest._jax import versions
@@ -163,6 +164,7 @@ def _holding(prim_name, q):
     return eqn
 
 
+@pytest.mark.usefixtures("default_staging")  # (lax.scan staging scan_p)
 @pytest.mark.parametrize("prim_name", ["jit_p", "scan_p", "cond_p"])
 def test_dce_rules_of_jit_scan_cond_look_inside_an_eqn_with_an_effect(prim_name):
     """lazyharvest assumes JAX's DCE rule of jit/scan/cond drops an effect-free eqn
@@ -400,6 +402,7 @@ def _check_hoisting_calls(calls, path):
         f"arguments, {n_out} results")
 
 
+@pytest.mark.usefixtures("default_staging")  # (lax.scan staging scan_p)
 def test_scan_known_hoisting_is_called_by_scan_partial_eval(monkeypatch):
     """lazyharvest assumes JAX's partial evaluation of a scan (`_scan_partial_eval`)
     calls the module attribute `loops._scan_known_hoisting(jaxpr_known, consts,
@@ -457,6 +460,7 @@ def test_state_types_abstract_ref():
     assert not isinstance(jax.typeof(1.), types.AbstractRef)
 
 
+@pytest.mark.usefixtures("default_staging")  # (the flags as they were, after it)
 def test_call_hi_primitive_dce_rule_keeps_ref_writers(monkeypatch):
     """lazyharvest assumes JAX's DCE consults `pe.dce_rules[call_hi_primitive_p]` for a
     high-level primitive's eqn, so the package's rule keeps one writing a live
@@ -482,11 +486,8 @@ def test_call_hi_primitive_dce_rule_keeps_ref_writers(monkeypatch):
         lax.scan(body, 0., None, length=2)
         return []
 
-    jax.config.update("jax_scan3", True)
-    try:
+    with jax_flag("jax_scan3"):
         jaxpr = jax.make_jaxpr(f)(jax.new_ref(jnp.float32(0.))).jaxpr
-    finally:
-        jax.config.update("jax_scan3", False)
     assert hi in [e.primitive for e in jaxpr.eqns]
     dced, _ = layer.dce(jaxpr, [])
     assert calls, f"JAX's DCE no longer consults pe.dce_rules[call_hi_primitive_p] on jax {V}"
