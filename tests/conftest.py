@@ -60,6 +60,9 @@ def _raised_under(error: BaseException, name: str) -> bool:
 
 def _jax_cannot(error: BaseException) -> str | None:
     import jax
+    if isinstance(error, BaseExceptionGroup):  # (hypothesis: several failures)
+        reasons = [_jax_cannot(e) for e in error.exceptions]
+        return reasons[0] if all(reasons) else None
     chain, e = [], error
     while e is not None and all(e is not x for x in chain):
         chain.append(e)

@@ -9,6 +9,7 @@ import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
 import lazyharvest as lh
+from helpers import skip_where_jax_checkpoints_scan3_wrongly
 
 POLICIES = {
     "everything_saveable": jax.checkpoint_policies.everything_saveable,
@@ -52,6 +53,7 @@ def test_harvest_adds_no_saved_residuals(policy, mode, how):
     assert _residual_avals(harvested, ws, x) == _residual_avals(jax.jit(f), ws, x)
 
 
+@skip_where_jax_checkpoints_scan3_wrongly()  # (the hand-written program's checkpointed scan)
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_reading_a_leaf_saves_what_the_hand_written_program_saves(policy):
     ws, x = jnp.full((8, 3, 3), 0.3), jnp.ones(3)

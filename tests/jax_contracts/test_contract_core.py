@@ -816,6 +816,7 @@ def test_scan3_and_remat_traced_are_built_again_from_their_params(flag):
     close(got, want)
 
 
+@pytest.mark.usefixtures("default_staging")  # (CustomRoot as staged with every flag off)
 def test_implementation_of_a_high_level_primitive_is_its_expansion():
     """lazyharvest assumes a `call_hi_primitive` eqn's `_prim` object has
     `in_tree` and `expand(*args)` (its lowering), so `core.implementation`
