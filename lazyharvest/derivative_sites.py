@@ -174,7 +174,7 @@ def _constant_site(default, kind, trace, args, avals, params):
             linear = kind == "vjp"
             zeros = [_jax.linear_zero(a) if f and linear else _jax.zeros_tangent(a)
                      for a, f in zip(leaves, floats)]
-            tangents = sow_p.bind(*zeros, *mask, path=path + (JVP,), **rest, constant=True)
+            tangents = sow_p.bind(*zeros, *mask, **dict(rest, path=path + (JVP,), constant=True))
             return [_jax.with_tangent(trace, x, t) if f else x
                     for x, t, f in zip(outs, tangents[:len(leaves)] + mask, floats)]
         # Forward mode: record a zero tangent; downstream the tangent stays a

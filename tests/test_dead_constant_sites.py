@@ -851,3 +851,21 @@ def test_regression_backward_function_of_an_output_without_tangents_keeps_its_si
     assert list(d.keys()) == ["s0"]
     close(d["s0"], want)
     close(bwd(1.0)[1], 0.0)  # and the backward function's own cotangents
+
+
+def test_a_constant_site_under_jacrev_of_grad_outside_a_harvest():
+    # (found by tests/test_testing_module.py's random stacks) A site on a
+    # constant, the only thing the output reads, under jax.jacrev of
+    # jax.grad: the outer level gave the inner level's zero tangent copy
+    # (already marked `constant`) a tangent copy of its own, binding
+    # `constant` twice: TypeError in plain JAX with lazyharvest imported.
+    from lazyharvest.testing.random_programs import Output, Program, Sow
+    p = Program(body=(Sow(name="s0", srcs=(), mode="strict", const=(), seed=0,
+                          stop_gradient=False),),
+                output=Output(kind="scalar", srcs=(1,)), tree_input=False, tag="t")
+    stack = T.Stack((T.Transform("grad", 0, 0), T.Transform("jacrev", 0, 0)))
+    args = p.example_args(0)
+    want = stack.apply(lambda *a: p.perturb({}, *a), jax)(*args)  # the program in JAX alone
+    np.testing.assert_allclose(stack.apply(p.fn, jax)(*args), want)
+    d = lh.reap(stack.apply(p.fn, jax), tag="t")(*args)
+    np.testing.assert_allclose(d["s0"], p.slices["s0",](*args))
