@@ -35,6 +35,8 @@ with d1..d4; default all):
       perturbation trick (1) vs lh.reap of a sown loss (2), call_and_reap (3)
       and Flax linen `perturb` (4, if Flax is installed): steady <= 1.05x,
       same FLOPs, first call <= 1.2x.
+  (f2) the same with every layer a jax.checkpoint, sites inside (no (4));
+      run with JAX_REMAT3=true for JAX's jax_remat3 implementation.
   (g) the same training step eagerly (no jax.jit around it):
       `lh.call_and_reap(jax.value_and_grad(loss))` then `d.compute()` of the
       12 activation gradients, steady state, vs the jitted perturbation trick
@@ -480,21 +482,25 @@ def _norm(h):
     return (h - jnp.mean(h, -1, keepdims=True)) * lax.rsqrt(jnp.var(h, -1, keepdims=True) + 1e-5)
 
 
-def transformer(params, x, heads: int, site):
+def transformer(params, x, heads: int, site, remat: bool = False):
     """Causal pre-norm transformer on embeddings x (B, S, D). `site(name, v)`
     returns v, or v changed: called at `a{i}` (after attention) and `r{i}`
-    (the residual stream after layer i)."""
+    (the residual stream after layer i). With `remat`, each layer is a
+    `jax.checkpoint` (sites inside it)."""
     b, s, d = x.shape
     mask = jnp.tril(jnp.ones((s, s), bool))
-    h = x
-    for i, p in enumerate(params):
+
+    def layer(h, p, i):
         q, k, v = (t.reshape(b, s, heads, d // heads)
                    for t in jnp.split(_norm(h) @ p["wqkv"], 3, axis=-1))
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / (d // heads) ** 0.5
         att = jax.nn.softmax(jnp.where(mask, logits, -1e9), axis=-1)
         o = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, d)
         h = site(f"a{i}", h + o @ p["wo"])
-        h = site(f"r{i}", h + jax.nn.gelu(_norm(h) @ p["w1"]) @ p["w2"])
+        return site(f"r{i}", h + jax.nn.gelu(_norm(h) @ p["w1"]) @ p["w2"])
+    h = x
+    for i, p in enumerate(params):
+        h = jax.checkpoint(layer, static_argnums=2)(h, p, i) if remat else layer(h, p, i)
     return h
 
 
@@ -510,9 +516,9 @@ def perturb_at(eps):
     return lambda n, v: v + eps[n] if n in eps else v
 
 
-def make_tf_loss(heads: int, site):
+def make_tf_loss(heads: int, site, remat: bool = False):
     """A fresh loss function object (no cache knows it)."""
-    return lambda params, x: tf_loss(transformer(params, x, heads, site))
+    return lambda params, x: tf_loss(transformer(params, x, heads, site, remat))
 
 
 def _d_transformer() -> None:
@@ -723,20 +729,22 @@ def _linen_model(params, heads: int):
     return LinenTransformer(), treedef
 
 
-def make_steps(params, heads: int, names: list) -> dict:
+def make_steps(params, heads: int, names: list, remat: bool = False) -> dict:
     """Factories of fresh training steps `(params, x) -> (loss, param grads,
-    leaves)`; the activation gradients are `leaves` or `leaves["vjp"]`."""
+    leaves)`; the activation gradients are `leaves` or `leaves["vjp"]`. With
+    `remat`, every layer is checkpointed (no Flax step then)."""
     def hand():
         def step(p, x):
             eps = {n: jnp.zeros(x.shape) for n in names}
-            loss = lambda p, e: tf_loss(transformer(p, x, heads, perturb_at(e)))
+            loss = lambda p, e: tf_loss(transformer(p, x, heads, perturb_at(e), remat))
             v, (g, ge) = jax.value_and_grad(loss, argnums=(0, 1))(p, eps)
             return v, g, ge
         return step
 
     def reap():
         def loss(p, x):
-            out = transformer(lh.sow(p, tag=T, name="params"), x, heads, sow_at(names))
+            out = transformer(lh.sow(p, tag=T, name="params"), x, heads, sow_at(names),
+                              remat)
             return lh.sow(tf_loss(out), tag=T, name="loss")
 
         def step(p, x):
@@ -747,14 +755,14 @@ def make_steps(params, heads: int, names: list) -> dict:
 
     def car():
         def step(p, x):
-            loss = make_tf_loss(heads, sow_at(names))
+            loss = make_tf_loss(heads, sow_at(names), remat)
             (v, g), d = lh.call_and_reap(jax.value_and_grad(loss), tag=T)(p, x)
             return v, g, d.compute()
         return step
 
     steps = {"(1) hand-written perturbation": hand, "(2) lh.reap(value_and_grad)": reap,
              "(3) lh.call_and_reap + compute": car}
-    linen = _linen_model(params, heads)
+    linen = None if remat else _linen_model(params, heads)
     if linen is not None:
         model, treedef = linen
 
@@ -794,16 +802,26 @@ def step_model():
 
 
 def section_f() -> None:
+    _training_step("f")
+
+
+def section_f2() -> None:
+    _training_step("f2", remat=True)
+
+
+def _training_step(section: str, remat: bool = False) -> None:
     names, params, x, heads = step_model()
-    print(f"(f) jitted training step: loss, parameter gradients and the {len(names)} "
+    print(f"({section}) jitted training step: loss, parameter gradients and the {len(names)} "
           f"activation gradients of a {STEP['n']}-layer transformer\n    (d_model "
           f"{STEP['d']}, {heads} heads, seq {STEP['seq']}, batch {STEP['batch']}); sites "
-          f"a{{i}} (after attention), r{{i}} (after the MLP)")
-    steps = make_steps(params, heads, names)
-    if len(steps) < 4:
+          f"a{{i}} (after attention), r{{i}} (after the MLP)"
+          + ("; every layer a jax.checkpoint (jax_remat3 "
+             f"{'on' if jax.config.values.get('jax_remat3') else 'off'})" if remat else ""))
+    steps = make_steps(params, heads, names, remat)
+    if len(steps) < 4 and not remat:
         print("    Flax is not installed: (4) skipped")
     tiny = transformer_params(1, 16)  # warms every path up, so (1) pays no first-use cost
-    for make in make_steps(tiny, 2, ["a0", "r0"]).values():
+    for make in make_steps(tiny, 2, ["a0", "r0"], remat).values():
         block(jax.jit(make())(tiny, x[:1, :4, :16]))
     compiled, first, want = {}, {}, None
     for name, make in steps.items():  # first call, checked before anything else is timed
@@ -812,10 +830,10 @@ def section_f() -> None:
         compiled[name] = jax.jit(make()).lower(params, x).compile()
         got = block(compiled[name](params, x))
         first[name] = time.perf_counter() - t0
-        assert COMPILES.count > before, f"(f) {name}: first call did not compile"
+        assert COMPILES.count > before, f"({section}) {name}: first call did not compile"
         want = got if want is None else want
-        check_close(got[:2], want[:2], f"(f) {name}: loss and parameter gradients")
-        check_close(_act_grads(got, names), want[2], f"(f) {name}: activation gradients")
+        check_close(got[:2], want[:2], f"({section}) {name}: loss and parameter gradients")
+        check_close(_act_grads(got, names), want[2], f"({section}) {name}: activation gradients")
     t = time_interleaved({k: (lambda c=c: block(c(params, x))) for k, c in compiled.items()},
                          number=2, repeat=5, warmup=2)
     ref = next(iter(steps))
@@ -824,9 +842,9 @@ def section_f() -> None:
     for k in steps:
         rs, rf, rg = t[k] / t[ref], first[k] / first[ref], flops[k] / flops[ref]
         fl = ["", "", ""] if k == ref else [
-            record(f"(f) {k}: steady", rs, T_STEP), record(f"(f) {k}: first call", rf,
-                                                           T_STEP_FIRST),
-            record(f"(f) {k}: FLOPs", rg, 1.0)]
+            record(f"({section}) {k}: steady", rs, T_STEP),
+            record(f"({section}) {k}: first call", rf, T_STEP_FIRST),
+            record(f"({section}) {k}: FLOPs", rg, 1.0)]
         rows.append([k, fmt_ms(t[k]), f"{rs:.2f}x", fl[0], f"{first[k]:.2f}", f"{rf:.2f}x",
                      fl[1], f"{flops[k] / 1e9:.3f}", f"{rg:.3f}x", fl[2]])
     table(["step", "steady ms", f"ratio (<= {T_STEP}x)", "flag", "first call s",
@@ -916,7 +934,7 @@ def summary() -> None:
 
 
 SECTIONS = {"a": section_a, "a2": section_a2, "b": section_b, "c": section_c, "d": section_d,
-            "e": section_e, "f": section_f, "g": section_g}
+            "e": section_e, "f": section_f, "f2": section_f2, "g": section_g}
 PARTS = {"d1": _d_sites, "d2": _d_transformer, "d3": _d_recorded, "d4": _d_per_example}
 
 

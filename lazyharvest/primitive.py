@@ -620,6 +620,9 @@ def _inlined(eqn: Any) -> Any:
         return eqn.params["call_jaxpr"]
     if eqn.primitive is _jax.remat_p:
         return _jax.ClosedJaxpr(eqn.params["jaxpr"], ())
+    remat = _jax.remat_traced_params(eqn.params.get("_prim"))  # (jax_remat3)
+    if remat is not None:  # (its inputs in the same order)
+        return _jax.ClosedJaxpr(remat["jaxpr"], ())
     return None
 
 

@@ -1,19 +1,24 @@
 """JAX's opt-in next implementations (`jax_scan3`, `jax_remat3`,
 `jax_custom_vjp3`, `jax_custom_jvp3`: all four from jax 0.11, three in 0.10)
 stage their constructs as high-level primitives. Sites inside a `Scan3` are
-harvested as those of the `scan` it stands for; inside a `CustomJVPTraced` or
-`CustomVJPTraced` (also staged with every flag off, for
+harvested as those of the `scan` it stands for, inside a `RematTraced` as
+those of the `jax.checkpoint` (`remat2`) it stands for; inside a
+`CustomJVPTraced` or `CustomVJPTraced` (also staged with every flag off, for
 `defvjp(..., generic_batching=True)`) through its expansion, the user's rule
-kept; inside a `RematTraced` they are not harvested yet: the harvest raises a
-`HarvestError` naming the flag instead of leaving them unreaped. Sites
-outside the construct are reaped under every flag (docs/compat.md)."""
+kept (on jax < 0.12, where the object holds the function's closure, they are
+refused: the harvest raises a `HarvestError` naming the flag instead of
+leaving them unreaped). Sites outside the construct are reaped under every
+flag (docs/compat.md)."""
 
+import contextlib
 import inspect
+import io
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
+from jax.ad_checkpoint import print_saved_residuals
 
 import lazyharvest as lh
 from helpers import close, jax_flag
@@ -29,6 +34,7 @@ FLAG_PARAMS = [pytest.param(f, marks=pytest.mark.skipif(
 # (custom functions' sites are harvested on jax >= 0.12, refused before)
 CUSTOM_FLAGS = [p for p in FLAG_PARAMS if p.values[0] in ("jax_custom_vjp3", "jax_custom_jvp3")
                 and _jax.CUSTOM_HI_PRIMS]
+HARVESTED_FLAGS = [p for p in FLAG_PARAMS if p.values[0] == "jax_remat3"] + CUSTOM_FLAGS
 
 
 @pytest.fixture
@@ -63,9 +69,9 @@ def _program(flag_name):
     return lambda x: inner(_sow(x * 2, "outside")) + 1
 
 
-# the flag whose construct's sites are still refused (the others': below)
-REFUSED = [p for p in FLAG_PARAMS if p.values[0] == "jax_remat3" or (
-    p.values[0] in ("jax_custom_vjp3", "jax_custom_jvp3") and not _jax.CUSTOM_HI_PRIMS)]
+# the flags whose construct's sites are still refused on this JAX
+REFUSED = [p for p in FLAG_PARAMS if p.values[0] in ("jax_custom_vjp3", "jax_custom_jvp3")
+           and not _jax.CUSTOM_HI_PRIMS]
 
 
 @pytest.mark.parametrize("flag", REFUSED, indirect=True)
@@ -86,7 +92,7 @@ def test_a_site_inside_the_construct_raises_naming_the_flag(flag):
         lh.plant(f, tag="t")({"inside": 1.0}, 0.3)
 
 
-@pytest.mark.parametrize("flag", CUSTOM_FLAGS, indirect=True)
+@pytest.mark.parametrize("flag", HARVESTED_FLAGS, indirect=True)
 def test_a_site_inside_the_construct_is_reaped_with_its_cotangent(flag):
     f = _program(flag)
     eqns = jax.make_jaxpr(f)(0.3).eqns
@@ -369,3 +375,104 @@ def test_a_custom_vjp_with_generic_batching_harvests_with_every_flag_off():
 @pytest.mark.parametrize("flag", CUSTOM_FLAGS, indirect=True)
 def test_sites_inside_a_custom_function_under_its_flag(flag):
     _check_custom_program(flag)
+
+
+# --- sites inside a RematTraced (jax_remat3) ----------------------------------------
+# Harvested as the jax.checkpoint (remat2) each stands for. Values against
+# plain JAX: the same function written without sites, or the derivative of
+# the sown value's own expression.
+
+REMAT3 = [p for p in FLAG_PARAMS if p.values[0] == "jax_remat3"]
+
+
+def _checkpointed_layers(policy, sow=True):
+    def layer(c, w):
+        h = jnp.sin(c @ w)
+        if sow:
+            h = lh.sow(h, tag="t", name="h", mode="append")
+        return jnp.tanh(h) * 2, h
+
+    def f(ws, x):
+        y, hs = jax.checkpoint(lambda x: lax.scan(layer, x, ws), policy=policy)(x)
+        return jnp.sum(y ** 2)
+    return f
+
+
+@pytest.mark.parametrize("flag", REMAT3, indirect=True)
+@pytest.mark.parametrize("policy", [jax.checkpoint_policies.everything_saveable,
+                                    jax.checkpoint_policies.nothing_saveable],
+                         ids=["everything", "nothing"])
+def test_sites_inside_a_remat_traced_are_reaped_differentiated_and_planted(flag, policy):
+    ws, x = jnp.full((4, 3, 3), 0.3), jnp.linspace(0.1, 0.5, 3)
+    f = _checkpointed_layers(policy)
+    assert any(isinstance(p, _jax.REMAT_TRACED) for p in _hi_prims(jax.make_jaxpr(f)(ws, x).jaxpr))
+
+    def plain(ws, x, e):  # the sown rows perturbed by e, without sites
+        def layer(c, we):
+            w, ei = we
+            h = jnp.sin(c @ w) + ei
+            return jnp.tanh(h) * 2, h
+        y, hs = lax.scan(layer, x, (ws, e))
+        return jnp.sum(y ** 2), hs
+    e0 = jnp.zeros((4, 3))
+    d = lh.reap(jax.grad(f), tag="t")(ws, x)
+    close(d["h"], plain(ws, x, e0)[1])
+    close(d["vjp", "h"], jax.grad(lambda e: plain(ws, x, e)[0])(e0))
+    t = lh.reap(lambda ws, x: jax.jvp(lambda x: f(ws, x), (x,), (jnp.ones(3),)), tag="t")(ws, x)
+    close(t["jvp", "h"], jax.jvp(lambda x: plain(ws, x, e0)[1], (x,), (jnp.ones(3),))[1])
+    patch = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)  # each row replaces that layer's h
+    close(lh.plant(f, tag="t")({"h": patch}, ws, x), jnp.sum((jnp.tanh(patch[-1]) * 2) ** 2))
+    # the rematerialized copy JAX's differentiation runs adds no occurrence
+    assert set(d) == {"h", ("vjp", "h")}
+
+
+@pytest.mark.parametrize("flag", REMAT3, indirect=True)
+@pytest.mark.parametrize("policy", [jax.checkpoint_policies.everything_saveable,
+                                    jax.checkpoint_policies.save_anything_except_these_names()],
+                         ids=["everything", "except_names"])
+def test_a_remat_traced_holding_sites_saves_what_jax_checkpoint_saves_with_the_flag_off(
+        flag, policy):
+    # Harvested or not, differentiated, it is the remat2 it stands for
+    # (docs/semantics.md, 10d): what the flag-off program saves, which is more
+    # than a RematTraced without sites saves for these policies (JAX's two
+    # implementations differ).
+    ws, x = jnp.full((8, 3, 3), 0.3), jnp.ones(3)
+    f = _checkpointed_layers(policy)
+
+    def harvested(ws, x):
+        return lh.call_and_reap(f, tag="t")(ws, x)[0]
+
+    def saved(fn):  # the residuals' avals ("f32[8,3] from ..." -> "f32[8,3]")
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            print_saved_residuals(fn, ws, x)
+        return sorted(line.split()[0] for line in buf.getvalue().splitlines() if line.strip())
+    with jax_flag(flag, False):
+        want = saved(jax.jit(_checkpointed_layers(policy, sow=False)))
+    assert saved(jax.jit(harvested)) == want
+    assert saved(jax.jit(f)) == want
+    leaner = saved(jax.jit(_checkpointed_layers(policy, sow=False)))
+    assert len(leaner) < len(want), "JAX's RematTraced now saves as remat2 does: docs/compat.md"
+
+
+@pytest.mark.parametrize("flag", REMAT3, indirect=True)
+def test_the_results_jax_remat3_left_wrong_are_right(flag):
+    # Before: a linear function of a checkpointed zero-trip while read zeros
+    # for the value sown before the loop, and a dead site in a checkpoint
+    # linearized outside the harvest had no key (docs/compat.md).
+    def zero_trip(x):
+        a = lh.sow(jnp.sin(x), tag="t", name="k", mode="clobber")
+        body = lambda c: (c[0] + 1, lh.sow(jnp.cos(c[1]), tag="t", name="k",  # noqa: E731
+                                            mode="clobber"))
+        return a + lax.while_loop(lambda c: c[0] < 0, body, (0, x))[1]
+    _, lin = jax.linearize(jax.checkpoint(zero_trip), 0.7)
+    d = lh.reap(lin, tag="t")(1.5)
+    close(d["k"], jnp.sin(0.7))
+    close(d["jvp", "k"], jnp.cos(0.7) * 1.5)
+
+    def dead(x):
+        lh.sow(x ** 2, tag="t", name="y")
+        return x + 1
+    h = jax.checkpoint(dead)
+    close(lh.reap(jax.linearize(h, 3.)[1], tag="t")(0.5)["y"], 3.)
+    close(lh.reap(jax.vjp(h, 3.)[1], tag="t")(1.)["y"], 0.)

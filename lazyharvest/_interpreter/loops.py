@@ -50,16 +50,12 @@ from lazyharvest._interpreter.run import (
     sown_key,
 )
 from lazyharvest._interpreter.sites import (
-    ANY_TAG,
-    HIGH_LEVEL_RULES,
     Counts,
     Harvest,
     count_occurrences,
     has_masked_sites,
-    jaxpr_has_sites,
     may_owe,
     raw_key,
-    selected_site,
     sub_jaxprs,
 )
 from lazyharvest.errors import HarvestError
@@ -459,42 +455,6 @@ def _record_scan_sites(run: Run, clob: list[Site], app: list[Site], clob_out: li
 
 
 EVAL_RULES[_jax.scan_p] = _scan
-
-
-def _scan3(run: Run, eqn: _jax.JaxprEqn, invals: list, **_) -> list:
-    """A `Scan3` (`jax_scan3`) holding sites the harvest takes: harvested as
-    the `scan` it stands for, which the harvested program runs in its place
-    (JAX 0.12 has no reverse-mode rule for `Scan3`, and its implementation
-    ignores `reverse`: docs/compat.md). One holding only sites the filters
-    leave out is bound as it is."""
-    found = _jax.scan3_as_scan(eqn)
-    assert found is not None
-    if selected_site(eqn, run.harvest) is None:  # (sites the filters leave out)
-        return bind(eqn, invals)
-    scan_eqn, order = found
-    return _scan(run, scan_eqn, [invals[i] for i in order], **scan_eqn.params)
-
-
-def _make_scan3_bind(default):
-    """call_hi_primitive's bind hook: a `Scan3` holding sites, bound under a
-    transformation (JAX's differentiation, vmap; inside a harvest or not), is
-    bound as the `scan` it stands for, as a harvest binds it (`_scan3`):
-    jax 0.12 has no reverse-mode or batching rule for `Scan3`, and the sites
-    then meet the transformation through scan's rules (dead and constant
-    sites, derivative_sites.py), as with the flag off."""
-    def bind_with_trace(trace, args, avals, params):
-        found = _jax.scan3_params(params["_prim"]) if _jax.transforms(trace) else None
-        if found is None or not jaxpr_has_sites(found[0]["jaxpr"].jaxpr, ANY_TAG):
-            return default(trace, args, avals, params)
-        scan_params, order = found
-        with _jax.current_trace(trace):
-            return _jax.scan_p.bind(*[args[i] for i in order], **scan_params)
-    return bind_with_trace
-
-
-if _jax.SCAN3 is not None and _jax.call_hi_primitive_p is not None:
-    HIGH_LEVEL_RULES[_jax.SCAN3] = _scan3
-    _jax.register_bind_hook(_jax.call_hi_primitive_p, _make_scan3_bind)
 
 
 def _check_while_modes(h: Harvest, body: Body) -> None:

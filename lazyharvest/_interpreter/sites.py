@@ -150,9 +150,9 @@ def count_occurrences(jaxpr: _jax.Jaxpr, harvest: Harvest) -> Counts:
 
 
 def handled_as(e: _jax.JaxprEqn) -> _jax.JaxprEqn:
-    """`e`, or the eqn the harvest handles in its place: for a `Scan3`
-    (`jax_scan3`), the `scan` it stands for (`_jax.scan3_as_scan`)."""
-    found = _jax.scan3_as_scan(e)
+    """`e`, or the eqn the harvest handles in its place: for a `Scan3` or a
+    `RematTraced`, the `scan` or `remat2` it stands for (`_jax.as_ordinary_eqn`)."""
+    found = _jax.as_ordinary_eqn(e)
     return e if found is None else found[0]
 
 

@@ -26,9 +26,12 @@ from lazyharvest._jax.versions import (  # noqa: F401  (first: it checks the ver
     require,
 )
 from lazyharvest._jax.control_flow import (  # noqa: F401
+    REMAT_TRACED,
     SCAN3,
-    scan3_as_scan,
+    as_ordinary_eqn,
+    remat_traced_params,
     scan3_params,
+    stands_for,
     scan_counts,
     scan_params,
     wrap_cond_batcher,

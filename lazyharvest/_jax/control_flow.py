@@ -1,5 +1,6 @@
 """Params of the control-flow primitives the package rewrites (scan's
-counts of consts and carries) and the vmap rule of `lax.cond`."""
+counts of consts and carries), the ordinary primitives the `jax_*3` flags'
+high-level primitives stand for, and the vmap rule of `lax.cond`."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from lazyharvest._jax.core import (
     HI_PRIM_FLAGS,
     ClosedJaxpr,
     JaxprEqn,
+    Primitive,
     eval_jaxpr,
     new_jaxpr_eqn,
+    remat_p,
     scan_p,
     trace_flat,
 )
@@ -76,14 +79,52 @@ def scan3_params(prim: Any) -> tuple[dict, list[int]] | None:
     return hit
 
 
-def scan3_as_scan(eqn: JaxprEqn) -> tuple[JaxprEqn, list[int]] | None:
-    """For a `Scan3` eqn, the `scan` eqn it stands for, and `order`
-    (`scan3_params`); None for any other eqn."""
-    found = scan3_params(eqn.params.get("_prim"))
+REMAT_TRACED: Any = next(  # (a class, or None)
+    (c for c, f in HI_PRIM_FLAGS.items() if f == "jax_remat3"), None)
+
+
+def remat_traced_params(prim: Any) -> dict | None:
+    """For a `RematTraced` object (`jax_remat3`), the params of the `remat2`
+    (`jax.checkpoint` with the flag off) it stands for: the same body,
+    policy (None, as both spell "save nothing") and `prevent_cse`, inputs in
+    the same order; None for any other object, and for one whose body is a
+    jaxpr with consts (jax 0.10 and 0.11 hold a closed jaxpr; `jax.checkpoint`
+    passes its consts as inputs, so they hold none)."""
+    if REMAT_TRACED is None or not isinstance(prim, REMAT_TRACED):
+        return None
+    params = prim.params
+    body = params["jaxpr"]
+    if isinstance(body, ClosedJaxpr):
+        if body.consts:
+            return None
+        body = body.jaxpr
+    return {"jaxpr": body, "prevent_cse": params.get("prevent_cse", True),
+            "differentiated": False, "policy": params["policy"]}
+
+
+def stands_for(prim: Any) -> tuple[Primitive, dict, list[int]] | None:
+    """For a high-level primitive object that a `jax_*3` flag makes JAX stage
+    in place of an ordinary primitive with the same semantics, that
+    primitive, its params, and `order`: which of the object's inputs each of
+    the primitive's is. `Scan3`: `scan` (`scan3_params`); `RematTraced`:
+    `remat2` (`remat_traced_params`); None for any other object."""
+    scan = scan3_params(prim)
+    if scan is not None:
+        return scan_p, scan[0], scan[1]
+    remat = remat_traced_params(prim)
+    if remat is not None:
+        return remat_p, remat, list(range(len(remat["jaxpr"].invars)))
+    return None
+
+
+def as_ordinary_eqn(eqn: JaxprEqn) -> tuple[JaxprEqn, list[int]] | None:
+    """For a `call_hi_primitive` eqn `stands_for` maps, the eqn of the
+    ordinary primitive it stands for, and `order`; None for any other eqn."""
+    found = stands_for(eqn.params.get("_prim"))
     if found is None:
         return None
-    params, order = found
-    return new_jaxpr_eqn([eqn.invars[i] for i in order], eqn.outvars, scan_p, params,
+    prim, params, order = found
+    return new_jaxpr_eqn([eqn.invars[i] for i in order], eqn.outvars, prim, params,
                          eqn.effects, eqn.source_info, eqn.ctx), order
 
 

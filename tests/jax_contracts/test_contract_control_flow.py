@@ -100,16 +100,35 @@ def test_scan_p_binds_with_rebuilt_params():
         f"a scan re-bound with scan_params no longer stages one scan on jax {V}")
 
 
+def _replaced(jaxpr, eqn, new_eqn):
+    """The function `jaxpr` computes, `eqn` bound as `new_eqn`."""
+    def run(*args):
+        env = {}
+
+        def read(v):
+            return v.val if isinstance(v, layer_core.Literal) else env[v]
+        env.update(zip(jaxpr.jaxpr.constvars, jaxpr.consts))
+        env.update(zip(jaxpr.jaxpr.invars, args))
+        for e in jaxpr.jaxpr.eqns:
+            if e is eqn:
+                e = new_eqn
+            outs = layer_core.bind_eqn(e, [read(v) for v in e.invars])
+            outs = outs if e.primitive.multiple_results else [outs]
+            env.update(zip(e.outvars, outs))
+        return [read(v) for v in jaxpr.jaxpr.outvars]
+    return run
+
+
 @pytest.mark.skipif(layer.SCAN3 is None, reason=f"jax {V} has no Scan3")
 @pytest.mark.usefixtures("default_staging")  # (the flags as they were, after it)
 @pytest.mark.parametrize("reverse", [False, True])
-def test_scan3_stands_for_the_scan_scan3_as_scan_builds(reverse):
+def test_scan3_stands_for_the_scan_as_ordinary_eqn_builds(reverse):
     """lazyharvest assumes that with `jax_scan3` on `lax.scan` stages a
     `call_hi_primitive` eqn whose `_prim` is a `Scan3` with `extensives`,
     `length`, `jaxpr` (no carry: the carry is a Ref input the body reads
-    and writes), `reverse` and `unroll`, and that the scan `scan3_as_scan`
+    and writes), `reverse` and `unroll`, and that the scan `as_ordinary_eqn`
     builds from it (non-extensive inputs as consts, extensive ones as xs)
-    computes what `lax.scan` does with the flag off (_interpreter/loops.py)."""
+    computes what `lax.scan` does with the flag off (_interpreter/calls.py)."""
     f = lambda h: lax.scan(_body, h, XS, reverse=reverse)  # noqa: E731
     want = f(jnp.float32(1.))  # the flag off
     with jax_flag("jax_scan3"):
@@ -119,25 +138,43 @@ def test_scan3_stands_for_the_scan_scan3_as_scan_builds(reverse):
     # (inputs: the body's const C and the carry's Ref, then the xs)
     assert (prim.length, prim.reverse, list(prim.extensives)) == (
         2, reverse, [False, False, True]), f"Scan3's params changed on jax {V}"
-    scan_eqn, order = layer.scan3_as_scan(eqn)
+    scan_eqn, order = layer.as_ordinary_eqn(eqn)
     assert scan_eqn.primitive is layer_core.scan_p and layer.scan_counts(scan_eqn.params) == (2, 0)
-
-    def run(h):  # the jaxpr, the Scan3 eqn replaced by the scan
-        env = {}
-
-        def read(v):
-            return v.val if isinstance(v, layer_core.Literal) else env[v]
-        env.update(zip(jaxpr.jaxpr.constvars, jaxpr.consts))
-        env[jaxpr.jaxpr.invars[0]] = h
-        for e in jaxpr.jaxpr.eqns:
-            if e is eqn:
-                e = scan_eqn
-            outs = layer_core.bind_eqn(e, [read(v) for v in e.invars])
-            outs = outs if e.primitive.multiple_results else [outs]
-            env.update(zip(e.outvars, outs))
-        return [read(v) for v in jaxpr.jaxpr.outvars]
-    close(jax.jit(run)(jnp.float32(1.)), list(jax.tree.leaves(want)))
+    close(jax.jit(_replaced(jaxpr, eqn, scan_eqn))(jnp.float32(1.)),
+          list(jax.tree.leaves(want)))
     assert [eqn.invars[i] for i in order] == scan_eqn.invars
+
+
+@pytest.mark.skipif(layer.REMAT_TRACED is None, reason=f"jax {V} has no RematTraced")
+@pytest.mark.usefixtures("default_staging")
+@pytest.mark.parametrize("prevent_cse", [True, False])
+def test_remat_traced_stands_for_the_remat2_as_ordinary_eqn_builds(prevent_cse):
+    """lazyharvest assumes that with `jax_remat3` on `jax.checkpoint` stages a
+    `call_hi_primitive` eqn whose `_prim` is a `RematTraced` whose `params`
+    hold `jaxpr` (a jaxpr without consts: `jax.checkpoint` passes what its
+    function closes over as inputs), `policy` and (jax >= 0.11)
+    `prevent_cse`, and that the `remat2` eqn `as_ordinary_eqn` builds from
+    it computes, and differentiates, as `jax.checkpoint` does with the flag
+    off, policy kept (_interpreter/calls.py)."""
+    policy = jax.checkpoint_policies.dots_saveable
+
+    def make():  # (jax 0.10 picks the implementation when the function is made)
+        return jax.checkpoint(lambda x, w: jnp.sin(C * x) @ w, policy=policy,
+                              prevent_cse=prevent_cse)
+    f = make()
+    x, w = jnp.ones(2), jnp.ones((2, 2))
+    want = f(x, w), jax.grad(lambda x: f(x, w).sum())(x)  # the flag off
+    with jax_flag("jax_remat3"):
+        jaxpr = jax.make_jaxpr(make())(x, w)
+    (eqn,) = [e for e in jaxpr.eqns if isinstance(e.params.get("_prim"), layer.REMAT_TRACED)]
+    remat_eqn, order = layer.as_ordinary_eqn(eqn)
+    assert remat_eqn.primitive is layer_core.remat_p and order == [0, 1, 2]
+    assert remat_eqn.params["policy"] is policy, f"RematTraced's policy changed on jax {V}"
+    run = _replaced(jaxpr, eqn, remat_eqn)
+    close(run(x, w)[0], want[0])
+    close(jax.grad(lambda x: run(x, w)[0].sum())(x), want[1])
+    staged = jax.make_jaxpr(jax.grad(lambda x: run(x, w)[0].sum()))(x)
+    assert any(e.primitive is layer_core.remat_p for e in staged.jaxpr.eqns)
 
 
 def test_cond_fancy_batcher_signature(monkeypatch):

@@ -303,6 +303,7 @@ def test_effects_custom_derivatives_allowed_effects():
     check()
 
 
+@pytest.mark.usefixtures("default_staging")
 def test_effects_remat_allowed_effects():
     """lazyharvest assumes `effects.remat_allowed_effects` is the set the partial
     evaluation of `jax.checkpoint` consults for effects in its body

@@ -494,6 +494,7 @@ def test_custom_vjp_fwd_subfun_and_out_trees():
 
 # --- remat and transposes ----------------------------------------------------------------
 
+@pytest.mark.usefixtures("default_staging")
 def test_partial_eval_jaxpr_custom_rules_calling_convention(monkeypatch):
     """lazyharvest assumes jax.checkpoint's split calls `pe.partial_eval_jaxpr_custom_rules[
     prim](saveable, unks_in, inst_in, eqn)` and takes (known eqn, staged eqn,
@@ -589,6 +590,7 @@ def test_a_remat_rule_gets_the_policy_as_saveable():
 
 
 @needs_derivative_sites
+@pytest.mark.usefixtures("default_staging")
 def test_remat_jvp_rule_gets_partial_eval_tangents_under_reverse_mode(monkeypatch):
     """lazyharvest assumes `jax.checkpoint` has no linearization rule: reverse
     mode and jax.linearize call `ad.primitive_jvps[remat_p]` with tangents that

@@ -421,6 +421,7 @@ def test_scan_known_hoisting_is_called_by_scan_linearize(monkeypatch):
     _check_hoisting_calls(calls, "_scan_linearize")
 
 
+@pytest.mark.usefixtures("default_staging")
 def test_scan_partial_eval_jaxpr_custom_rule_calling_convention(monkeypatch):
     """lazyharvest assumes jax.checkpoint's split of a scan calls
     `pe.partial_eval_jaxpr_custom_rules[scan_p](saveable, unks_in, inst_in, eqn)`
@@ -495,6 +496,7 @@ def test_call_hi_primitive_dce_rule_keeps_ref_writers(monkeypatch):
         f"a Ref-writing call_hi_primitive eqn is dropped by DCE on jax {V}")
 
 
+@pytest.mark.usefixtures("default_staging")
 def test_checkpoint_partial_eval_makes_its_staged_eqn_with_new_eqn_recipe(monkeypatch):
     """lazyharvest assumes JAX's partial-eval rule for `jax.checkpoint` stages its
     unknown half with `pe.new_eqn_recipe`, looked up when it runs, and does not
