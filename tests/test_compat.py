@@ -218,6 +218,7 @@ def test_bind_eqn_rebinds_calls_with_their_rules():
     close(jax.grad(run)(x), 3. * 4. + 5. * x + 2. * x)
 
 
+@pytest.mark.usefixtures("default_staging")
 def test_bind_params_has_the_subfuns_of_a_call():
     closed = jax.make_jaxpr(_cjvp)(1.)
     (eqn,) = closed.jaxpr.eqns

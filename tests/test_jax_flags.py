@@ -326,13 +326,21 @@ def test_a_rule_recomputing_inside_a_scan3_adds_no_occurrence(flag):
 # used the function instead of the rule would show. Expected values: the same
 # custom function without sites, or written with the plant in place.
 
-def _custom_program(flag_name, generic_batching=False, inner=None):
+def _custom_program(flag_name, generic_batching=False, inner=None, remat=False):
     """cos(f(x)) for a custom function f (sin(2 x) with the rule 3 g), with a
-    site on x (`out`) and one inside f (`in`); `inner` replaces the inside."""
+    site on x (`out`) and one inside f (`in`); `inner` replaces the inside.
+    `remat`: the custom_vjp's rule given as remat rules (`defremat`)."""
     body = inner or (lambda x: jnp.sin(_sow(x * 2, "in")))
     if flag_name == "jax_custom_jvp3":
         fn = jax.custom_jvp(body)
         fn.defjvp(lambda p, t: (fn(p[0]), 3.0 * t[0]))
+    elif remat:
+        fn = jax.custom_vjp(body)
+        # (`rem` recomputes f without its site: one that sows it again is
+        # a second occurrence, a gap: docs/compat.md)
+        plain = inner or (lambda x: jnp.sin(x * 2))
+        fn.defremat(lambda x: (fn(x), x), lambda x, x_again: (plain(x_again), x_again),
+                    lambda x, g: (3.0 * g,), generic_batching=True)
     else:
         fn = jax.custom_vjp(body)
         fn.defvjp(lambda x: (fn(x), x), lambda x, g: (3.0 * g,),
@@ -340,8 +348,8 @@ def _custom_program(flag_name, generic_batching=False, inner=None):
     return lambda x: jnp.cos(fn(_sow(x, "out")))
 
 
-def _check_custom_program(flag_name, generic_batching=False):
-    prog = _custom_program(flag_name, generic_batching)
+def _check_custom_program(flag_name, generic_batching=False, remat=False):
+    prog = _custom_program(flag_name, generic_batching, remat=remat)
     assert _stages_hi_prim(jax.make_jaxpr(prog)(0.3).jaxpr)
     x = 0.3
     grad, d = lh.call_and_reap(jax.grad(prog), tag="t")(x)
@@ -354,7 +362,8 @@ def _check_custom_program(flag_name, generic_batching=False):
     close(t["in"], 2 * x)
     # planted: the rule still differentiates the planted function (SPEC 9)
     planted = lambda x: lh.plant(prog, tag="t")({"in": 1.0}, x)  # noqa: E731
-    by_hand = _custom_program(flag_name, generic_batching, inner=lambda x: jnp.sin(1.0 + 0 * x))
+    by_hand = _custom_program(flag_name, generic_batching, inner=lambda x: jnp.sin(1.0 + 0 * x),
+                              remat=remat)
     close(planted(x), by_hand(x))
     close(jax.grad(planted)(x), jax.grad(by_hand)(x))
     close(jax.grad(planted)(x), -jnp.sin(jnp.sin(1.0)) * 3.0)
@@ -476,3 +485,29 @@ def test_the_results_jax_remat3_left_wrong_are_right(flag):
     h = jax.checkpoint(dead)
     close(lh.reap(jax.linearize(h, 3.)[1], tag="t")(0.5)["y"], 3.)
     close(lh.reap(jax.vjp(h, 3.)[1], tag="t")(1.)["y"], 0.)
+
+
+@pytest.mark.skipif(
+    not _jax.CUSTOM_HI_PRIMS or not hasattr(jax.custom_vjp, "defremat"),
+    reason=f"jax {jax.__version__} has no custom_vjp.defremat, or its sites are refused")
+@pytest.mark.usefixtures("default_staging")
+def test_a_custom_vjp_with_remat_rules_harvests_with_every_flag_off():
+    # (defremat with generic_batching stages a CustomVJPTraced with every flag off)
+    _check_custom_program("jax_custom_vjp3", remat=True)
+
+
+@pytest.mark.skipif(
+    not _jax.CUSTOM_HI_PRIMS or not hasattr(jax.custom_vjp, "defremat"),
+    reason=f"jax {jax.__version__} has no custom_vjp.defremat, or its sites are refused")
+@pytest.mark.parametrize("flag", REMAT3, indirect=True)
+def test_a_custom_vjp_with_remat_rules_in_a_checkpoint_under_jax_remat3(flag):
+    # Reverse mode under jax.checkpoint is where JAX runs the remat rules.
+    prog = jax.checkpoint(_custom_program("jax_custom_vjp3", remat=True))
+    x = 0.3
+    grad, d = lh.call_and_reap(jax.grad(prog), tag="t")(x)
+    close(grad, -jnp.sin(jnp.sin(2 * x)) * 3.0)  # the rule's, not the function's
+    assert set(d) == {"out", "in", ("vjp", "out")}
+    close(d["in"], 2 * x)
+    close(d["vjp", "out"], -jnp.sin(jnp.sin(2 * x)) * 3.0)
+    planted = jax.grad(lambda x: lh.plant(prog, tag="t")({"in": 1.0}, x))(x)
+    close(planted, -jnp.sin(jnp.sin(1.0)) * 3.0)

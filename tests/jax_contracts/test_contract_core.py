@@ -288,6 +288,7 @@ def test_effects_control_flow_allowed_effects():
     jax.make_jaxpr(lambda x: lax.scan(lambda c, _: (prim.bind(c), None), x, None, length=2))(1.)
 
 
+@pytest.mark.usefixtures("default_staging")
 def test_effects_custom_derivatives_allowed_effects():
     """lazyharvest assumes `effects.custom_derivatives_allowed_effects` is the set a
     custom_jvp call's type check consults for effects in its function

@@ -415,6 +415,7 @@ _cjvp.defjvp(lambda p, t: (_cjvp(p[0]), 3. * t[0]))
 
 
 @needs_custom_call_hooks
+@pytest.mark.usefixtures("default_staging")
 def test_custom_jvp_call_subfuns_are_replaceable(monkeypatch):
     """lazyharvest assumes a bind hook of `custom_jvp_call_p` may replace the `jvp` in
     `params["subfuns"]` (a WrappedFun of `(*primals, *tangents) -> (*primals_out,
@@ -439,6 +440,7 @@ def test_custom_jvp_call_subfuns_are_replaceable(monkeypatch):
 
 
 @needs_custom_call_hooks
+@pytest.mark.usefixtures("default_staging")
 def test_wrapped_fun_stores_reset(monkeypatch):
     """lazyharvest assumes a custom call's WrappedFun records its output trees in
     `fun.stores` (each with `.reset()`, via `._store` where wrapped) and may be

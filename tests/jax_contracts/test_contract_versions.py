@@ -9,6 +9,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax import lax
 
 from lazyharvest._jax import core as layer_core
@@ -38,6 +39,7 @@ def _only_eqn(fn, *args):
     return eqn
 
 
+@pytest.mark.usefixtures("default_staging")
 def test_bind_params_split_matches_get_bind_params():
     """lazyharvest assumes `Primitive.get_bind_params` returns `(subfuns, params)`
     exactly where `versions.BIND_PARAMS_SPLIT` is set, and otherwise a dict with
@@ -87,6 +89,7 @@ def test_bind_takes_avals_matches_bind_with_trace_calls():
             f"bind_with_trace's avals are not the arguments' types on jax {V}: {seen[0][2]}")
 
 
+@pytest.mark.usefixtures("default_staging")
 def test_custom_call_hooks_matches_custom_jvp_bind():
     """lazyharvest assumes a `custom_jvp` call reaches `custom_jvp_call_p.bind_with_trace`
     with its functions in `params["subfuns"]` exactly where `versions.CUSTOM_CALL_HOOKS`
