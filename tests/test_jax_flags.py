@@ -348,15 +348,21 @@ def _custom_program(flag_name, generic_batching=False, inner=None, remat=False):
     return lambda x: jnp.cos(fn(_sow(x, "out")))
 
 
-def _check_custom_program(flag_name, generic_batching=False, remat=False):
-    prog = _custom_program(flag_name, generic_batching, remat=remat)
-    assert _stages_hi_prim(jax.make_jaxpr(prog)(0.3).jaxpr)
-    x = 0.3
+def _check_rule_gradient(prog, x):
+    """`jax.grad` of `_custom_program`'s program inside a harvest: the rule's
+    gradient, the function's site reaped, no cotangent key for it."""
     grad, d = lh.call_and_reap(jax.grad(prog), tag="t")(x)
     close(grad, -jnp.sin(jnp.sin(2 * x)) * 3.0)  # the rule's, not the function's
     assert set(d) == {"out", "in", ("vjp", "out")}
     close(d["in"], 2 * x)
     close(d["vjp", "out"], -jnp.sin(jnp.sin(2 * x)) * 3.0)
+
+
+def _check_custom_program(flag_name, generic_batching=False, remat=False):
+    prog = _custom_program(flag_name, generic_batching, remat=remat)
+    assert _stages_hi_prim(jax.make_jaxpr(prog)(0.3).jaxpr)
+    x = 0.3
+    _check_rule_gradient(prog, x)
     t = lh.reap(lambda x: jax.jvp(prog, (x,), (1.0,)), tag="t")(x)
     close(t["jvp", "out"], 1.0)
     close(t["in"], 2 * x)
@@ -502,10 +508,6 @@ def test_a_custom_vjp_with_remat_rules_in_a_checkpoint_under_jax_remat3(flag):
     # Reverse mode under jax.checkpoint is where JAX runs the remat rules.
     prog = jax.checkpoint(_custom_program("jax_custom_vjp3", remat=True))
     x = 0.3
-    grad, d = lh.call_and_reap(jax.grad(prog), tag="t")(x)
-    close(grad, -jnp.sin(jnp.sin(2 * x)) * 3.0)  # the rule's, not the function's
-    assert set(d) == {"out", "in", ("vjp", "out")}
-    close(d["in"], 2 * x)
-    close(d["vjp", "out"], -jnp.sin(jnp.sin(2 * x)) * 3.0)
+    _check_rule_gradient(prog, x)
     planted = jax.grad(lambda x: lh.plant(prog, tag="t")({"in": 1.0}, x))(x)
     close(planted, -jnp.sin(jnp.sin(1.0)) * 3.0)
