@@ -341,9 +341,10 @@ def _reached(jaxpr, tainted: set) -> float:
         hit = [not isinstance(v, _jax.Literal) and v in tainted for v in e.invars]
         if not any(hit):
             continue
-        if e.primitive is _jax.custom_vjp_call_p:
+        closure = _closure_operands(e)
+        if closure is not None:
             first = hit.index(True)
-            low = min(low, -1 if first < _jax.closed_over_operands(e.params) else first)
+            low = min(low, -1 if first < closure else first)
         for j in sub_jaxprs(e.params):
             one_for_one = e.primitive in _CALLS and len(j.invars) == len(hit)
             # (elsewhere an operand may reach any input of a body: a loop's carry)
@@ -351,6 +352,18 @@ def _reached(jaxpr, tainted: set) -> float:
                                     if one_for_one else set(j.invars)))
         tainted.update(e.outvars)
     return low
+
+
+def _closure_operands(eqn) -> int | None:
+    """How many leading operands of a custom_vjp call are values its function
+    closes over (None for another eqn): JAX's `custom_vjp_call`, or the
+    object `jax_custom_vjp3` stages (and `generic_batching`)."""
+    if eqn.primitive is _jax.custom_vjp_call_p:
+        return _jax.closed_over_operands(eqn.params)
+    prim = eqn.params.get("_prim") if eqn.primitive is _jax.call_hi_primitive_p else None
+    if _jax.hi_prim_flag(prim) == "jax_custom_vjp3" and _jax.CUSTOM_HI_PRIMS:
+        return _jax.custom_hi_prim_leading(prim)
+    return None
 
 
 # --- a clobber name sown before a while_loop, under jax.linearize ---------------

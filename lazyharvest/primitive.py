@@ -561,6 +561,13 @@ def count_sow(params: dict) -> None:
         _SOWN.count = harvested_sows() + 1
 
 
+def count_staged_sows() -> None:
+    """Counts a bind that stages sows of a harvested tag JAX traced earlier
+    (a custom function's object under `jax_custom_*3`: JAX's trace cache may
+    not trace its function again, so `sow_p` is not bound)."""
+    _SOWN.count = harvested_sows() + 1
+
+
 # --- vmap of lax.cond with a batched predicate ----------------------------------
 # JAX turns such a cond into "run every branch, then select". A site in each
 # branch would then be sown once per branch, and a copy sown after the select

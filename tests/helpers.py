@@ -1,6 +1,7 @@
 """Small shared helpers for the tests."""
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,39 @@ def skip_where_jax_checkpoints_scan3_wrongly():
         jax_checkpoints_scan3_wrongly(),
         reason=f"jax {jax.__version__} itself differentiates a scan inside jax.checkpoint "
                f"wrongly with jax_scan3 on (the writes to its Scan3's carry Ref are lost)")
+
+
+@functools.cache
+def _diffrax_error_under_custom_jvp3(adjoint: str) -> str | None:
+    try:
+        import diffrax
+    except ImportError:
+        return None
+
+    def solve(a):
+        term = diffrax.ODETerm(lambda t, y, args: -args * y)
+        return jnp.sum(diffrax.diffeqsolve(term, diffrax.Tsit5(), 0.0, 1.0, 0.1, jnp.ones(2),
+                                           args=a, adjoint=getattr(diffrax, adjoint)()).ys)
+    try:
+        jax.grad(solve)(0.5)
+    except Exception as e:  # noqa: BLE001  (whatever JAX and diffrax raise)
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"
+    return None
+
+
+def skip_where_jax_cannot_differentiate_diffrax(adjoint: str = "RecursiveCheckpointAdjoint"):
+    """Skips the calling test where this JAX, with `jax_custom_jvp3` on,
+    cannot take `jax.grad` of a small diffrax solve under `adjoint` by itself,
+    no harvest involved (jax 0.12.1 with diffrax 0.7.2 / equinox 0.13.8:
+    Equinox's closure conversion raises under the default adjoint, a
+    TypeError under `BacksolveAdjoint`)."""
+    import pytest
+    if not jax.config.values.get("jax_custom_jvp3"):
+        return
+    error = _diffrax_error_under_custom_jvp3(adjoint)
+    if error is not None:
+        pytest.skip(f"jax {jax.__version__} with jax_custom_jvp3 on cannot differentiate a "
+                    f"diffrax solve under {adjoint} without lazyharvest: {error}")
 
 
 def jax_ignores_scan3_reverse() -> bool:

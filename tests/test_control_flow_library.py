@@ -15,7 +15,7 @@ import pytest
 from jax import lax
 
 import lazyharvest as lh
-from helpers import close
+from helpers import close, skip_where_jax_cannot_differentiate_diffrax
 from lazyharvest import _jax
 
 
@@ -984,6 +984,8 @@ def test_diffrax_default_adjoint():
     # forward evaluation's, as under DirectAdjoint, with no extra key (the
     # cotangent was once that of the backward pass's recomputation of the
     # first step, the last evaluation in program order).
+    pytest.importorskip("diffrax")
+    skip_where_jax_cannot_differentiate_diffrax()
     adjoint, log, logged, sown, perturbed_at = diffrax_case("RecursiveCheckpointAdjoint")
     t_last, y_last = _forward_value_is_the_last_evaluation(adjoint, log, logged, sown)
     grad = jax.grad(lambda a: diffrax_solve(a, adjoint, logged))(0.5)

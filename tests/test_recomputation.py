@@ -14,7 +14,11 @@ import pytest
 from jax import lax
 
 import lazyharvest as lh
-from helpers import close, skip_where_jax_ignores_scan3_reverse
+from helpers import (
+    close,
+    skip_where_jax_cannot_differentiate_diffrax,
+    skip_where_jax_ignores_scan3_reverse,
+)
 from lazyharvest import _jax
 
 # a rule's functions are replaced through the custom call's hook (docs/compat.md)
@@ -212,6 +216,7 @@ def test_equinox_checkpointed_scan_over_layers():
 
 def test_diffrax_default_adjoint_value_and_cotangent_are_the_last_forward_evaluation():
     diffrax = pytest.importorskip("diffrax")
+    skip_where_jax_cannot_differentiate_diffrax()
     y0 = jnp.array([1., 2.])
 
     def solve(vf, th, solver):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import lazyharvest as lh
-from helpers import close
+from helpers import close, skip_where_jax_cannot_differentiate_diffrax
 from lazyharvest import _jax
 
 # a rule's functions are replaced through the custom call's hook (docs/compat.md)
@@ -46,6 +46,7 @@ def _check(loss, variant):
 @pytest.mark.parametrize("adjoint", ["RecursiveCheckpointAdjoint", "BacksolveAdjoint"])
 def test_grad_of_a_planted_diffrax_solve(adjoint, variant):
     diffrax = pytest.importorskip("diffrax")
+    skip_where_jax_cannot_differentiate_diffrax(adjoint)
 
     def loss(vf, th):
         sol = diffrax.diffeqsolve(

@@ -16,6 +16,7 @@ from lazyharvest._interpreter.plumbing import finish, invar_avals, trace_body
 from lazyharvest._interpreter.run import EVAL_RULES, Run, bind
 from lazyharvest._interpreter.sites import (
     ANY_TAG,
+    HIGH_LEVEL_BINDS,
     HIGH_LEVEL_RULES,
     jaxpr_has_sites,
     selected_site,
@@ -101,8 +102,12 @@ def _make_ordinary_bind(default):
     bound as that primitive, as a harvest binds it (`_high_level`): its sites
     then meet the transformation through that primitive's rules (dead and
     constant sites, derivative_sites.py), as with the flag off, and where JAX
-    0.12 has no rule of its own (`Scan3`'s reverse mode and batching)."""
+    0.12 has no rule of its own (`Scan3`'s reverse mode and batching). The
+    custom functions' objects have bind rules of their own (`HIGH_LEVEL_BINDS`)."""
     def bind_with_trace(trace, args, avals, params):
+        own = HIGH_LEVEL_BINDS.get(type(params["_prim"]))
+        if own is not None:
+            return own(default, trace, args, avals, params)
         found = _jax.stands_for(params["_prim"]) if _jax.transforms(trace) else None
         if found is None or not any(jaxpr_has_sites(j, ANY_TAG)
                                     for j in _jax.sub_jaxprs(found[1])):

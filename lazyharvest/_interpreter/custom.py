@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from functools import partial
+from functools import partial, update_wrapper
 from typing import Any
 
 import attrs
@@ -24,6 +24,8 @@ from lazyharvest._identity_cache import MISSING, IdentityCache
 from lazyharvest._interpreter.plumbing import PlantOperands, split_list
 from lazyharvest._interpreter.run import EVAL_RULES, Replay, Run, bind
 from lazyharvest._interpreter.sites import (
+    ANY_TAG,
+    HIGH_LEVEL_BINDS,
     HIGH_LEVEL_RULES,
     Harvest,
     RawKey,
@@ -37,6 +39,7 @@ from lazyharvest.primitive import (
     at_scopes,
     collected_cotangents,
     consuming,
+    count_staged_sows,
     current_scopes,
     harvested_sows,
     planting,
@@ -73,7 +76,8 @@ def _custom_high_level(run: Run, eqn: _jax.JaxprEqn, invals: list, *, _prim, **_
     (inputs, plants) whose rule is the user's (`_custom_planted`)."""
     impl = _jax.implementation(eqn)
     if impl is None:
-        return run.opaque(eqn, invals)
+        return run.opaque(eqn, invals, what=f"{type(_prim).__name__} (its function could "
+                          "not be traced at these types)")
     if not any(k in run.plants for k in count_occurrences(impl.jaxpr, run.harvest)):
         return run.through_implementation(eqn, invals, impl, keep_unstripped=True)
     # (the operands of the function's closure, and of a custom_vjp's forward
@@ -127,11 +131,16 @@ def _harvested_sites(fun: Any, primals: Sequence[Any]) -> _jax.ClosedJaxpr | Non
     return _jax.ClosedJaxpr(jaxpr, consts)
 
 
-def _dense(t: Any) -> Any:
-    if isinstance(t, SymbolicZero):
-        return np.zeros(t.shape, t.dtype) if t.dtype == jax.dtypes.float0 else jnp.zeros(
-            t.shape, t.dtype)
-    return t
+def _sow_function(jaxpr: _jax.Jaxpr, consts: Sequence[Any], primals: Sequence[Any],
+                  tangents: Sequence[Any] | None = None) -> None:
+    """Evaluates a custom function's jaxpr for its sites only (under
+    `jax.jvp`, for their tangents, where `tangents` are given)."""
+    def f(*p: Any) -> list:
+        return _jax.eval_jaxpr(jaxpr, consts, *p)
+    if tangents is None:
+        f(*primals)
+    else:
+        jax.jvp(f, tuple(primals), tuple(map(_jax.dense_tangent, tangents)))
 
 
 def _jvp_with_sites(fun: Any, jvp: Any) -> tuple:
@@ -145,8 +154,7 @@ def _jvp_with_sites(fun: Any, jvp: Any) -> tuple:
         # A rule that sows (most call the function itself) has its own sites.
         closed = None if harvested_sows() != before else _harvested_sites(fun, xs[:n])
         if closed is not None:
-            jax.jvp(lambda *p: _jax.eval_jaxpr(closed.jaxpr, closed.consts, *p),
-                    tuple(xs[:n]), tuple(map(_dense, xs[n:])))
+            _sow_function(closed.jaxpr, closed.consts, xs[:n], xs[n:])
         return out
     return fun, _jax.wrapped_like(rule, jvp)
 
@@ -167,7 +175,7 @@ def _fwd_with_sites(fun: Any, fwd: Any, bwd: Any) -> tuple:
                 out = fwd.call_wrapped(*pairs)
             closed = None if harvested_sows() != before else _harvested_sites(fun, pairs[::2])
             if closed is not None:
-                _jax.eval_jaxpr(closed.jaxpr, closed.consts, *pairs[::2])
+                _sow_function(closed.jaxpr, closed.consts, pairs[::2])
             return out
         return _rewritten(call, xs, lambda p: _as_primal(p, sown))
     return fun, _jax.wrapped_like(rule, fwd), _recomputing_bwd(bwd, sown, scopes)
@@ -192,10 +200,14 @@ def _bwd_after_the_forward(bwd: Any) -> Any:
         return None
 
     def rule_bwd(*args: Any) -> Any:
-        differentiated: set = set()
-        return _rewritten(bwd.call_wrapped, args, lambda p: _as_recomputed(p, differentiated),
-                          lambda jaxpr: _differentiated_names(jaxpr, differentiated))
+        return _recomputing_what_it_differentiates(bwd.call_wrapped, args)
     return _jax.wrapped_like(rule_bwd, bwd)
+
+
+def _recomputing_what_it_differentiates(bwd: Callable, args: Sequence[Any]) -> Any:
+    differentiated: set = set()
+    return _rewritten(bwd, args, lambda p: _as_recomputed(p, differentiated),
+                      lambda jaxpr: _differentiated_names(jaxpr, differentiated))
 
 
 def _differentiated_names(jaxpr: _jax.Jaxpr, out: set) -> None:
@@ -231,15 +243,18 @@ def _rewritten(fn: Callable, args: Sequence[Any], rewrite: Callable[[dict], dict
                inspect: Callable[[_jax.Jaxpr], None] | None = None) -> Any:
     """`fn(*args)`, traced and evaluated with the params of its sows (in
     every body it runs, also those traced before) replaced by `rewrite`
-    (after `inspect` has seen the traced jaxpr). Arguments and outputs other
-    than arrays (flags, symbolic zeros) pass as they are."""
+    (after `inspect` has seen the traced jaxpr). Arguments are pytrees; their
+    leaves and the outputs' other than arrays (flags, symbolic zeros) pass as
+    they are."""
+    args, in_tree = jax.tree_util.tree_flatten(args, is_leaf=lambda x: x is None)
     arrays = [isinstance(a, (jax.Array, np.ndarray)) for a in args]
     out_tree: list = []
 
     def traced(*xs: Any) -> list:
         it = iter(xs)
         leaves, tree = jax.tree_util.tree_flatten(
-            fn(*[next(it) if k else a for a, k in zip(args, arrays)]),
+            fn(*jax.tree_util.tree_unflatten(
+                in_tree, [next(it) if k else a for a, k in zip(args, arrays)])),
             is_leaf=lambda x: x is None)
         out_tree[:] = [tree, leaves]
         return [x for x in leaves if isinstance(x, jax.Array)]
@@ -370,7 +385,7 @@ def _rule_of(fun: Any, rule: Any, avals: Sequence[Any], n: int,
 
 
 def _find_rule_sites(fun: Any, rule: Any, avals: Sequence[Any], n: int,
-                     call: Callable | None) -> _Rule | None:
+                     call: Callable | None = None) -> _Rule | None:
     try:
         with _in_rule():
             jaxpr, consts = _jax.trace_wrapped_avals(rule, avals, call)
@@ -446,15 +461,17 @@ def _jvp_rule_sites(args: Sequence[Any], avals: Sequence[Any], params: dict) -> 
         return None
     fun, jvp = subfuns
     rule = _rule_of(fun, jvp, [*avals, *(a.to_tangent_aval() for a in avals)], len(avals))
-    if rule is None:
-        return None
-    primal = _primal(fun, avals)
+    return None if rule is None else _jvp_call_with_rule_sites(_primal(fun, avals), rule, args)
+
+
+def _jvp_call_with_rule_sites(primal: _jax.ClosedJaxpr, rule: _Rule,
+                              args: Sequence[Any]) -> list:
     n_out = len(primal.jaxpr.outvars)
 
     def call_jvp(ps, ts):
         outs, leaves = rule.run([*ps, *ts])
         zeros = [_jax.zeros_like_aval(jax.typeof(x).to_tangent_aval()) for x in leaves]
-        return [*outs[:n_out], *leaves], [*map(_dense, outs[n_out:]), *zeros]
+        return [*outs[:n_out], *leaves], [*map(_jax.dense_tangent, outs[n_out:]), *zeros]
 
     g = jax.custom_jvp(_with_zeros(primal, rule))
     g.defjvp(call_jvp)
@@ -477,21 +494,33 @@ def _vjp_rule_sites(args: Sequence[Any], avals: Sequence[Any], params: dict) -> 
     if rule is None:
         return None
     primal = _jax.ClosedJaxpr(*_jax.trace_wrapped_avals(fun, avals))
-    n_out = len(primal.jaxpr.outvars)
     # traced again as JAX would (the first trace left JAX's stores empty, for
     # a rule without sites): this fills the output and residual trees the
     # caller and the backward rule read
     _jax.trace_flat(lambda *xs: list(paired(*xs)), avals)
     _, _, forwards = params["out_trees"]()
 
+    def residuals(xs: Sequence[Any], pruned: list) -> list:
+        it = iter(pruned)
+        return [next(it) if i is None else xs[i] for i in forwards]
+    return _vjp_call_with_rule_sites(primal, rule, args, residuals,
+                                     lambda res, cts: _jax.call_bwd(bwd, *res, *cts))
+
+
+def _vjp_call_with_rule_sites(primal: _jax.ClosedJaxpr, rule: _Rule, args: Sequence[Any],
+                              residuals: Callable, bwd: Callable) -> list:
+    """The call replaced by a custom_vjp with the rule's sites as extra
+    outputs: the rule's jaxpr gives `[*residuals, *outputs]`, whose
+    residuals `residuals(xs, them)` completes; `bwd(res, dense cts)`."""
+    n_out = len(primal.jaxpr.outvars)
+
     def call_fwd(*xs):
         outs, leaves = rule.run(xs)
-        pruned = iter(outs[:len(outs) - n_out])
-        res = [next(pruned) if i is None else xs[i] for i in forwards]
-        return [*outs[len(outs) - n_out:], *leaves], res
+        return ([*outs[len(outs) - n_out:], *leaves],
+                residuals(xs, outs[:len(outs) - n_out]))
 
     def call_bwd(res, cts):
-        return _jax.call_bwd(bwd, *res, *map(_dense, cts[:n_out]))
+        return bwd(res, list(map(_jax.dense_tangent, cts[:n_out])))
 
     g = jax.custom_vjp(_with_zeros(primal, rule))
     g.defvjp(call_fwd, call_bwd)
@@ -507,6 +536,146 @@ if _jax.CUSTOM_CALL_HOOKS:  # (jax 0.8: these sites stay unreaped)
     _jax.register_bind_hook(_jax.custom_vjp_call_p,
                             _make_custom_bind(_fwd_with_sites, _vjp_rule_sites),
                             only_in_force=True)
+
+
+# --- the same, for the objects of `jax_custom_jvp3` / `jax_custom_vjp3` -------
+#
+# Under those flags (jax >= 0.12) a custom function is a `CustomJVPTraced` /
+# `CustomVJPTraced` object bound by `call_hi_primitive`, its rules params of
+# the object: a bind in a harvest rebuilds the object with its rules wrapped
+# as the hooks above wrap a `custom_jvp_call`'s.
+
+def _hi_jvp_with_sites(prim: Any) -> Any:
+    jvp_rule = _jax.custom_hi_rules(prim)["jvp_rule"]
+
+    def rule(primals: Any, tangents: Any) -> Any:
+        before = harvested_sows()
+        with _in_rule():
+            out = jvp_rule(primals, tangents)
+        if harvested_sows() == before:
+            jaxpr, ps = _jax.custom_hi_primal(prim, primals)
+            if _sows_harvested(jaxpr):
+                _sow_function(jaxpr, (), ps, _jax.custom_hi_primal(prim, tangents)[1])
+        return out
+    return _jax.with_custom_rules(prim, jvp_rule=update_wrapper(rule, jvp_rule))
+
+
+def _hi_fwd_with_sites(prim: Any) -> Any:
+    rules, scopes = _jax.custom_hi_rules(prim), current_scopes()
+    sown: set = set()
+
+    def fwd(nzs_in: Any, *args: Any) -> Any:
+        def call(*xs: Any) -> Any:
+            before = harvested_sows()
+            with _in_rule():
+                out = rules["fwd"](nzs_in, *xs)
+            if harvested_sows() == before:
+                jaxpr, ps = _jax.custom_hi_primal(prim, xs)
+                if _sows_harvested(jaxpr):
+                    _sow_function(jaxpr, (), ps)
+            return out
+        return _rewritten(call, args, lambda p: _as_primal(p, sown))
+
+    def bwd(res: Any, out_ct: Any) -> Any:
+        with at_scopes(scopes):
+            return _rewritten(rules["bwd"], (res, out_ct), lambda p: _as_recomputed(p, sown))
+    return _jax.with_custom_rules(prim, fwd=update_wrapper(fwd, rules["fwd"]),
+                                  bwd=update_wrapper(bwd, rules["bwd"]))
+
+
+def _hi_bwd_after_the_forward(prim: Any) -> Any:
+    """The object with its backward rule as `_bwd_after_the_forward` makes
+    it, for a harvest that runs it after the forward pass."""
+    bwd = _jax.custom_hi_rules(prim)["bwd"]
+
+    def rule_bwd(res: Any, out_ct: Any) -> Any:
+        if not active_tags():
+            return bwd(res, out_ct)
+        return _recomputing_what_it_differentiates(bwd, (res, out_ct))
+    return _jax.with_custom_rules(prim, bwd=update_wrapper(rule_bwd, bwd))
+
+
+def _sows_harvested(jaxpr: _jax.Jaxpr) -> bool:
+    return any(jaxpr_has_sites(jaxpr, t) for t in active_tags())
+
+
+def _hi_rule_sites(prim: Any, args: Sequence[Any], avals: Sequence[Any]) -> list | None:
+    """A custom function's object bound in a harvest, not differentiated:
+    its rule's sites, as `_jvp_rule_sites` / `_vjp_rule_sites` find them."""
+    if _RULE.depth:
+        return None
+    rules, tree, n = _jax.custom_hi_rules(prim), _jax.custom_hi_tree(prim), len(avals)
+    primal = _jax.ClosedJaxpr(_jax.custom_hi_function(prim), ())
+
+    def fun(*xs: Any) -> list:
+        return _jax.eval_jaxpr(primal.jaxpr, (), *xs)
+    if "jvp_rule" in rules:
+        def jvp(*xs: Any) -> list:
+            outs, tangents = rules["jvp_rule"](tree.unflatten(xs[:n]), tree.unflatten(xs[n:]))
+            return [*outs, *tangents]
+        rule = _find_rule_sites(fun, jvp, [*avals, *(a.to_tangent_aval() for a in avals)], n)
+        return None if rule is None else _jvp_call_with_rule_sites(primal, rule, args)
+    if len(primal.jaxpr.invars) != n:  # (operands for the forward rule only)
+        return None
+    nonzeros = tree.unflatten([True] * n)
+    res_tree: list = []  # (the residuals' tree, once the forward rule is traced)
+
+    def fwd(*xs: Any) -> list:
+        outs, (res, static) = rules["fwd"](nonzeros, *tree.unflatten(xs))
+        res_tree[:] = [static]
+        return [*res, *outs]
+    rule = _find_rule_sites(fun, fwd, avals, n)
+    if rule is None:
+        return None
+    leading = _jax.custom_hi_prim_leading(prim)
+
+    def bwd(res: list, cts: list) -> list:
+        in_cts, _ = rules["bwd"]((res, *res_tree), cts)
+        return [None] * leading + [None if _jax.is_zero(c) else c for c in in_cts]
+    return _vjp_call_with_rule_sites(primal, rule, args, lambda xs, res: res, bwd)
+
+
+def _hi_scoped(prim: Any) -> Any:
+    """The object with its rules run under the current nest scopes
+    (`_at_scopes_of_the_call`)."""
+    scopes = current_scopes()
+
+    def scoped(f: Callable) -> Callable:
+        def call(*args: Any) -> Any:
+            with at_scopes(scopes):
+                return f(*args)
+        return update_wrapper(call, f)
+    return _jax.with_custom_rules(
+        prim, **{k: scoped(f) for k, f in _jax.custom_hi_rules(prim).items()})
+
+
+def _custom_hi_bind(default: Callable, trace: Any, args: Sequence[Any],
+                    avals: Sequence[Any], params: dict) -> list:
+    prim = params["_prim"]
+    if active_tags() and _sows_harvested(_jax.custom_hi_function(prim)):
+        count_staged_sows()  # (a rule that calls its function has its sites)
+    if current_scopes():
+        prim = _hi_scoped(prim)
+    differentiated = _jax.differentiation_kind(trace) is not None
+    if active_tags() and not differentiated:
+        with _jax.current_trace(trace):
+            outs = _hi_rule_sites(prim, args, avals)
+        if outs is not None:
+            return outs
+    elif differentiated and any(_jax.has_tangent(trace, x) for x in args):
+        jvp = _jax.hi_prim_flag(prim) == "jax_custom_jvp3"
+        if active_tags():
+            prim = (_hi_jvp_with_sites if jvp else _hi_fwd_with_sites)(prim)
+        elif not jvp and jaxpr_has_sites(_jax.custom_hi_function(prim), ANY_TAG):
+            # (a backward function made outside a harvest, which may run it)
+            prim = _hi_bwd_after_the_forward(prim)
+    return default(trace, args, avals, params if prim is params["_prim"]
+                   else dict(params, _prim=prim))
+
+
+for _cls, _flag in _jax.HI_PRIM_FLAGS.items():
+    if _flag in ("jax_custom_jvp3", "jax_custom_vjp3") and _jax.CUSTOM_HI_PRIMS:
+        HIGH_LEVEL_BINDS[_cls] = _custom_hi_bind
 
 
 def _custom_vmap(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call, **_) -> list:

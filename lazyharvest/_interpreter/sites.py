@@ -114,6 +114,11 @@ HIGH_LEVEL_RULES: dict[type, EvalRule] = {}
 """The rules for `call_hi_primitive` eqns (JAX's high-level primitives),
 keyed by the class of their `_prim` object."""
 
+HIGH_LEVEL_BINDS: dict[type, Callable[..., list]] = {}
+"""`rule(default, trace, args, avals, params) -> outs` for a bind of
+`call_hi_primitive` whose `_prim` object is of the key class (in place of
+JAX's `default(trace, args, avals, params)`)."""
+
 
 def implementation(eqn: _jax.JaxprEqn) -> _jax.ClosedJaxpr | None:
     """For an eqn of a higher-order primitive with no rule of its own, the

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax._src import array as _array
 from jax._src import config as _config
 from jax._src import core as _core
@@ -273,7 +274,9 @@ def implementation(eqn: JaxprEqn) -> ClosedJaxpr | None:
             out = prim.impl(*args, **eqn.params)
             return list(out) if prim.multiple_results else [out]
         jaxpr, consts = trace_flat(impl, [v.aval for v in eqn.invars])
-        if not _binds(jaxpr, prim):
+        # (an object's expansion may hold other high-level primitives: a
+        # custom function calling another)
+        if prim is call_hi_primitive_p or not _binds(jaxpr, prim):
             found = ClosedJaxpr(jaxpr, consts)
     except Exception:  # (no impl, or one that cannot be traced: no implementation)
         pass
@@ -293,6 +296,70 @@ def custom_hi_prim_leading(prim: Any) -> int:
     closure, and a custom_vjp's `fwd_consts`."""
     n = 2 if hi_prim_flag(prim) == "jax_custom_vjp3" else 1
     return sum(c.num_leaves for c in prim.in_tree.children()[:n])
+
+
+# The rules of a `CustomJVPTraced` (`jvp_rule`) and of a `CustomVJPTraced`
+# (`fwd`, `bwd`) are params of the object, called with arguments structured
+# like the application's (jax >= 0.12): a harvest rebuilds the object with
+# its rules wrapped, as JAX's own `batch` methods rebuild it.
+_CUSTOM_RULES = {"jax_custom_jvp3": ("jvp_rule",), "jax_custom_vjp3": ("fwd", "bwd")}
+
+
+def custom_hi_rules(prim: Any) -> dict[str, Callable]:
+    """The user's rules a custom function's object holds, by param name."""
+    return {k: prim.params[k] for k in _CUSTOM_RULES[hi_prim_flag(prim) or ""]}
+
+
+def with_custom_rules(prim: Any, **rules: Callable) -> Any:
+    """A copy of a `CustomJVPTraced` / `CustomVJPTraced` with some of its
+    rules (`custom_hi_rules`' names) replaced."""
+    p = dict(prim.params, **rules)
+    if hi_prim_flag(prim) == "jax_custom_jvp3":
+        return type(prim)(p["traced"], p["jvp_rule"], prim.in_avals, p["symbolic_zeros"])
+    traced, fwd, bwd = p.pop("traced"), p.pop("fwd"), p.pop("bwd")
+    return type(prim)(traced, fwd, bwd, prim.in_avals, p.pop("symbolic_zeros"),
+                      p.pop("opt_remat"), **p)
+
+
+def custom_hi_function(prim: Any) -> Jaxpr:
+    """The function of a custom function's object: a jaxpr over its flat
+    operands, the closure's first (a custom_vjp's `fwd_consts` dropped)."""
+    return prim.traced.jaxpr
+
+
+def custom_hi_primal(prim: Any, args: Sequence[Any]) -> tuple[Jaxpr, list]:
+    """The function of a custom function's object (a jaxpr over its flat
+    operands, closure first) and its operands, from arguments structured as
+    its rules take them (a custom_vjp's `fwd_consts` dropped)."""
+    flat = prim.in_tree.flatten_up_to(tuple(args))  # (zeros are leaves here)
+    if hi_prim_flag(prim) == "jax_custom_vjp3":
+        closure, fwd_consts = (c.num_leaves for c in prim.in_tree.children()[:2])
+        flat = flat[:closure] + flat[closure + fwd_consts:]
+    return custom_hi_function(prim), list(flat)
+
+
+def custom_hi_tree(prim: Any) -> Any:
+    """The tree of a custom function's object's operands (`unflatten` builds
+    its rules' arguments from flat ones)."""
+    return prim.in_tree
+
+
+def is_zero(t: Any) -> bool:
+    """`t` is one of JAX's symbolic zeros (a rule's output cotangent)."""
+    from jax._src import ad_util as _ad_util
+
+    return isinstance(t, (_ad_util.Zero, _ad_util.SymbolicZero))
+
+
+def dense_tangent(t: Any) -> Any:
+    """A tangent as an array: JAX's symbolic zeros (internal `Zero` or the
+    rules' `SymbolicZero`) instantiated, float0 ones as numpy arrays."""
+    if not is_zero(t):
+        return t
+    aval = t.aval
+    if aval.dtype == jax.dtypes.float0:
+        return np.zeros(aval.shape, aval.dtype)
+    return jax.numpy.zeros(aval.shape, aval.dtype)
 
 
 def hi_prim_flag(x: Any) -> str | None:

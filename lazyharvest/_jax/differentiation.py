@@ -216,10 +216,11 @@ def trace_wrapped(fun: Any, args: Sequence[Any]) -> tuple[Jaxpr, list[Any]]:
 def trace_wrapped_avals(fun: Any, avals: Sequence[Any], call: Callable | None = None
                         ) -> tuple[Jaxpr, list[Any]]:
     """`trace_wrapped` at these avals; `call(*args)` calls `fun` (default:
-    `fun.call_wrapped`)."""
+    `fun.call_wrapped`, or `fun` itself, a function over flat arguments)."""
     empty = [s for s in _stores(fun) if not _store_full(s)]
+    call = call or getattr(fun, "call_wrapped", fun)
     try:
-        return trace_flat(lambda *a: list((call or fun.call_wrapped)(*a)), avals,
+        return trace_flat(lambda *a: list(call(*a)), avals,
                           name="custom function")
     finally:
         for s in empty:
@@ -302,8 +303,8 @@ def _wrapped_bwd(f: Any) -> Any:
 
 def _stores(fun: Any) -> list:
     """The output stores of `fun` and of the functions it wraps (`wrapped_like`)."""
-    out = [s for s in fun.stores if s is not None]
-    inner = getattr(fun.f, "_wraps", None)
+    out = [s for s in getattr(fun, "stores", ()) if s is not None]
+    inner = getattr(getattr(fun, "f", None), "_wraps", None)
     return out + (_stores(inner) if inner is not None else [])
 
 

@@ -875,3 +875,59 @@ def test_custom_hi_prim_leading_counts_the_operands_that_are_not_arguments(flag)
     n = layer.custom_hi_prim_leading(eqn.params["_prim"])
     assert len(eqn.invars) - n == 2, (
         f"the operands of {type(eqn.params['_prim']).__name__} changed on jax {jax.__version__}")
+
+
+@pytest.mark.parametrize("flag", ["jax_custom_vjp3", "jax_custom_jvp3"])
+def test_a_custom_hi_prim_rebuilt_with_wrapped_rules_runs_them(flag):
+    """lazyharvest assumes a `CustomJVPTraced` / `CustomVJPTraced` holds its
+    rules as params (`custom_hi_rules`: `jvp_rule`, or `fwd` and `bwd`), that
+    `with_custom_rules` rebuilds it with some replaced (JAX's differentiation
+    then calls those), that `custom_hi_function` / `custom_hi_primal` give its
+    function over its flat operands from its rules' arguments, that
+    `custom_hi_tree` unflattens them, and that `is_zero` / `dense_tangent`
+    read the zeros JAX gives the rules (custom.py's bind rule)."""
+    from jax.custom_derivatives import SymbolicZero
+
+    from lazyharvest._jax.versions import CUSTOM_HI_PRIMS
+    if flag not in layer.HI_PRIM_FLAGS.values() or not CUSTOM_HI_PRIMS:
+        pytest.skip(f"jax {jax.__version__} has no {flag}, or its sites are refused")
+    c = jnp.array([1.0, 2.0])  # closed over
+    x = jnp.array([0.3, -0.4])
+    with jax_flag(flag):
+        if flag == "jax_custom_vjp3":
+            f = jax.custom_vjp(lambda x: jnp.sin(x) * c)
+            f.defvjp(lambda x: (f(x), x), lambda r, g: (7.0 * g,))
+        else:
+            f = jax.custom_jvp(lambda x: jnp.sin(x) * c)
+            f.defjvp(lambda p, t: (f(*p), 7.0 * t[0]))
+        jaxpr = jax.make_jaxpr(f)(x)
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive is layer.call_hi_primitive_p]
+    prim, seen = eqn.params["_prim"], []
+    rules = layer.custom_hi_rules(prim)
+    assert set(rules) == ({"fwd", "bwd"} if flag == "jax_custom_vjp3" else {"jvp_rule"})
+
+    def spy(name):
+        def rule(*args):
+            seen.append(name)
+            if name == "jvp_rule":  # (the closure's tangent is a zero)
+                assert any(layer.is_zero(t) for t in layer.custom_hi_primal(prim, args[1])[1])
+            return rules[name](*args)
+        return rule
+    new = layer.with_custom_rules(prim, **{k: spy(k) for k in rules})
+    assert type(new) is type(prim)
+    assert layer.custom_hi_function(new) is layer.custom_hi_function(prim)
+    values = dict(zip(jaxpr.jaxpr.constvars, jaxpr.consts))
+
+    def operands(x):
+        return [values.get(v, x) for v in eqn.invars]
+
+    def g(x):
+        return jnp.sum(layer.call_hi_primitive_p.bind(*operands(x), _prim=new)[0])
+    close(jax.grad(g)(x), jnp.full(2, 7.0))
+    assert seen[:1] == (["fwd"] if flag == "jax_custom_vjp3" else ["jvp_rule"]), (
+        f"jax {V}: the rebuilt object's rules ran as {seen}")
+    tree = layer.custom_hi_tree(prim)
+    function, leaves = layer.custom_hi_primal(prim, tree.unflatten(operands(x)))
+    close(layer.eval_jaxpr(function, [], *leaves)[0], jnp.sin(x) * c)
+    assert layer.is_zero(SymbolicZero(jax.typeof(x))) and not layer.is_zero(x)
+    close(layer.dense_tangent(SymbolicZero(jax.typeof(x))), jnp.zeros(2))

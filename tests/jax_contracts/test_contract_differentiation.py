@@ -478,6 +478,7 @@ def _cvjp(x):
 _cvjp.defvjp(lambda x: (_cvjp(x), x * 2.), lambda r, g: (5. * g * r,))
 
 
+@pytest.mark.usefixtures("default_staging")
 def test_custom_vjp_fwd_subfun_and_out_trees():
     """lazyharvest assumes a custom_vjp call's `fwd` subfun takes (value, perturbed)
     pairs and returns the residuals then the outputs, after which the eqn's
@@ -620,6 +621,7 @@ def test_remat_jvp_rule_gets_partial_eval_tangents_under_reverse_mode(monkeypatc
     assert seen and not any(seen[-1]), f"jvp of remat: tangents {seen} on jax {V}"
 
 
+@pytest.mark.usefixtures("default_staging")
 @needs_custom_call_hooks
 def test_custom_lin_transpose_gets_the_backward_function_as_bwd(monkeypatch):
     """lazyharvest assumes the transpose of `ad.custom_lin_p` (in
@@ -646,6 +648,7 @@ def test_custom_lin_transpose_gets_the_backward_function_as_bwd(monkeypatch):
     assert seen == [True], f"custom_lin's transpose saw {seen} on jax {V}"
 
 
+@pytest.mark.usefixtures("default_staging")
 def test_custom_vjp_forward_thunk_is_a_memoized_wrapped_function():
     """lazyharvest assumes a custom_vjp call's `fwd_jaxpr_thunk` is a wrapped
     function over JAX's `_memoize` (a closure over `cells`, `fn`, `sentinel`),
@@ -664,6 +667,7 @@ def test_custom_vjp_forward_thunk_is_a_memoized_wrapped_function():
     assert [e.primitive.name for e in jaxpr.eqns][:1] == ["sin"]
 
 
+@pytest.mark.usefixtures("default_staging")
 def test_a_custom_vjp_call_bound_again_keeps_count_of_its_closed_over_values():
     """lazyharvest assumes that binding a custom_vjp call again from a jaxpr
     (`get_bind_params`) wraps its backward function with JAX's
@@ -696,6 +700,7 @@ def test_a_custom_vjp_call_bound_again_keeps_count_of_its_closed_over_values():
         f"jax {V}: the DCE'd call's backward function hides them")
 
 
+@pytest.mark.usefixtures("default_staging")
 @pytest.mark.skipif(not hasattr(jax.custom_vjp(lambda u: u), "defvjp_with_accums"),
                     reason=f"jax {V} has no custom_vjp.defvjp_with_accums")
 def test_a_custom_vjp_call_with_accumulators_bound_again_keeps_count_of_its_closed_over_values():

@@ -125,6 +125,7 @@ def test_custom_call_hooks_matches_custom_jvp_bind():
     assert hooks == versions.CUSTOM_CALL_HOOKS
 
 
+@pytest.mark.usefixtures("default_staging")
 def test_bwd_returns_logs_matches_custom_vjp_bwd():
     """lazyharvest assumes a custom_vjp call's wrapped backward function (its third
     subfun) returns `(cotangents, logs)` exactly where `versions.BWD_RETURNS_LOGS` is
