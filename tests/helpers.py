@@ -125,6 +125,14 @@ def known_gap_under_scan3():
                "custom_vjp in a Scan3 closes over (docs/compat.md)")
 
 
+def known_gap_under(flag: str, reason: str, when: bool = True):
+    """A mark expecting a test to fail with JAX's `flag` on (and `when`): a
+    gap docs/compat.md lists. Strict: it says so once fixed."""
+    import pytest
+    return pytest.mark.xfail(bool(jax.config.values.get(flag)) and when, strict=True,
+                             reason=f"known gap with {flag} on: {reason} (docs/compat.md)")
+
+
 def close(a, b, rtol=1e-5, atol=1e-5):
     jax.tree_util.tree_map(
         lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y),
