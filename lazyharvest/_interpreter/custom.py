@@ -122,13 +122,26 @@ if _jax.call_hi_primitive_linearized_p is not None:
 
 def _harvested_sites(fun: Any, primals: Sequence[Any]) -> _jax.ClosedJaxpr | None:
     """The primal function traced at `primals`, if it sows a harvested tag."""
-    tags = active_tags()
-    if not tags:
+    if not active_tags():
         return None
     jaxpr, consts = _jax.trace_wrapped(fun, primals)
-    if not any(jaxpr_has_sites(jaxpr, t) for t in tags):
-        return None
-    return _jax.ClosedJaxpr(jaxpr, consts)
+    return _jax.ClosedJaxpr(jaxpr, consts) if _sows_harvested(jaxpr) else None
+
+
+def _sows_harvested(jaxpr: _jax.Jaxpr) -> bool:
+    return any(jaxpr_has_sites(jaxpr, t) for t in active_tags())
+
+
+def _run_rule(rule: Callable[[], Any], sow_function: Callable[[], None]) -> Any:
+    """`rule()`, the custom calls it binds (most often of the function itself)
+    bound as they are, then `sow_function()` unless the rule sowed a harvested
+    tag: a rule that sows (most call the function) has its own sites."""
+    before = harvested_sows()
+    with _in_rule():
+        out = rule()
+    if harvested_sows() == before:
+        sow_function()
+    return out
 
 
 def _sow_function(jaxpr: _jax.Jaxpr, consts: Sequence[Any], primals: Sequence[Any],
@@ -143,19 +156,18 @@ def _sow_function(jaxpr: _jax.Jaxpr, consts: Sequence[Any], primals: Sequence[An
         jax.jvp(f, tuple(primals), tuple(map(_jax.dense_tangent, tangents)))
 
 
+def _sow_traced(fun: Any, primals: Sequence[Any], tangents: Sequence[Any] | None = None
+                ) -> None:
+    """`_sow_function` of the wrapped function `fun`, if it sows a harvested tag."""
+    closed = _harvested_sites(fun, primals)
+    if closed is not None:
+        _sow_function(closed.jaxpr, closed.consts, primals, tangents)
+
+
 def _jvp_with_sites(fun: Any, jvp: Any) -> tuple:
     def rule(*xs: Any) -> Any:
         n = len(xs) // 2
-        before = harvested_sows()
-        # (the custom calls it binds, most often of the function itself, are
-        # bound as they are: the rule's own sows are its sites already)
-        with _in_rule():
-            out = jvp.call_wrapped(*xs)
-        # A rule that sows (most call the function itself) has its own sites.
-        closed = None if harvested_sows() != before else _harvested_sites(fun, xs[:n])
-        if closed is not None:
-            _sow_function(closed.jaxpr, closed.consts, xs[:n], xs[n:])
-        return out
+        return _run_rule(lambda: jvp.call_wrapped(*xs), lambda: _sow_traced(fun, xs[:n], xs[n:]))
     return fun, _jax.wrapped_like(rule, jvp)
 
 
@@ -170,13 +182,8 @@ def _fwd_with_sites(fun: Any, fwd: Any, bwd: Any) -> tuple:
 
     def rule(*xs: Any) -> Any:  # (primal, perturbed) pairs
         def call(*pairs: Any) -> Any:
-            before = harvested_sows()
-            with _in_rule():
-                out = fwd.call_wrapped(*pairs)
-            closed = None if harvested_sows() != before else _harvested_sites(fun, pairs[::2])
-            if closed is not None:
-                _sow_function(closed.jaxpr, closed.consts, pairs[::2])
-            return out
+            return _run_rule(lambda: fwd.call_wrapped(*pairs),
+                             lambda: _sow_traced(fun, pairs[::2]))
         return _rewritten(call, xs, lambda p: _as_primal(p, sown))
     return fun, _jax.wrapped_like(rule, fwd), _recomputing_bwd(bwd, sown, scopes)
 
@@ -185,10 +192,14 @@ def _recomputing_bwd(bwd: Any, sown: set, scopes: tuple) -> Any:
     """`bwd` (JAX's wrapped backward function), its sows of the names in
     `sown` (filled by the time JAX runs it) marked as recomputations."""
     def rule_bwd(*args: Any) -> Any:
-        with at_scopes(scopes):
-            return _rewritten(bwd.call_wrapped, args, lambda p: _as_recomputed(p, sown))
+        return _recomputing_sown(bwd.call_wrapped, args, sown, scopes)
     rule_bwd._recomputing = True  # type: ignore[attr-defined]
     return _jax.wrapped_like(rule_bwd, bwd)
+
+
+def _recomputing_sown(bwd: Callable, args: Sequence[Any], sown: set, scopes: tuple) -> Any:
+    with at_scopes(scopes):
+        return _rewritten(bwd, args, lambda p: _as_recomputed(p, sown))
 
 
 def _bwd_after_the_forward(bwd: Any) -> Any:
@@ -545,18 +556,21 @@ if _jax.CUSTOM_CALL_HOOKS:  # (jax 0.8: these sites stay unreaped)
 # the object: a bind in a harvest rebuilds the object with its rules wrapped
 # as the hooks above wrap a `custom_jvp_call`'s.
 
+def _sow_hi(prim: Any, primals: Any, tangents: Any = None) -> None:
+    """`_sow_function` of the object's function, if it sows a harvested tag
+    (`primals`, `tangents`: structured as its rules take them)."""
+    jaxpr, ps = _jax.custom_hi_primal(prim, primals)
+    if _sows_harvested(jaxpr):
+        _sow_function(jaxpr, (), ps,
+                      None if tangents is None else _jax.custom_hi_primal(prim, tangents)[1])
+
+
 def _hi_jvp_with_sites(prim: Any) -> Any:
     jvp_rule = _jax.custom_hi_rules(prim)["jvp_rule"]
 
     def rule(primals: Any, tangents: Any) -> Any:
-        before = harvested_sows()
-        with _in_rule():
-            out = jvp_rule(primals, tangents)
-        if harvested_sows() == before:
-            jaxpr, ps = _jax.custom_hi_primal(prim, primals)
-            if _sows_harvested(jaxpr):
-                _sow_function(jaxpr, (), ps, _jax.custom_hi_primal(prim, tangents)[1])
-        return out
+        return _run_rule(lambda: jvp_rule(primals, tangents),
+                         lambda: _sow_hi(prim, primals, tangents))
     return _jax.with_custom_rules(prim, jvp_rule=update_wrapper(rule, jvp_rule))
 
 
@@ -566,19 +580,11 @@ def _hi_fwd_with_sites(prim: Any) -> Any:
 
     def fwd(nzs_in: Any, *args: Any) -> Any:
         def call(*xs: Any) -> Any:
-            before = harvested_sows()
-            with _in_rule():
-                out = rules["fwd"](nzs_in, *xs)
-            if harvested_sows() == before:
-                jaxpr, ps = _jax.custom_hi_primal(prim, xs)
-                if _sows_harvested(jaxpr):
-                    _sow_function(jaxpr, (), ps)
-            return out
+            return _run_rule(lambda: rules["fwd"](nzs_in, *xs), lambda: _sow_hi(prim, xs))
         return _rewritten(call, args, lambda p: _as_primal(p, sown))
 
     def bwd(res: Any, out_ct: Any) -> Any:
-        with at_scopes(scopes):
-            return _rewritten(rules["bwd"], (res, out_ct), lambda p: _as_recomputed(p, sown))
+        return _recomputing_sown(rules["bwd"], (res, out_ct), sown, scopes)
     return _jax.with_custom_rules(prim, fwd=update_wrapper(fwd, rules["fwd"]),
                                   bwd=update_wrapper(bwd, rules["bwd"]))
 
@@ -593,10 +599,6 @@ def _hi_bwd_after_the_forward(prim: Any) -> Any:
             return bwd(res, out_ct)
         return _recomputing_what_it_differentiates(bwd, (res, out_ct))
     return _jax.with_custom_rules(prim, bwd=update_wrapper(rule_bwd, bwd))
-
-
-def _sows_harvested(jaxpr: _jax.Jaxpr) -> bool:
-    return any(jaxpr_has_sites(jaxpr, t) for t in active_tags())
 
 
 def _hi_rule_sites(prim: Any, args: Sequence[Any], avals: Sequence[Any]) -> list | None:
