@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import find, given, settings
+from hypothesis import find, given, reject, settings
 from hypothesis import strategies as st
 from jax import lax
 
@@ -80,10 +80,22 @@ def test_stacks_and_inputs_agree():
         s = data.draw(T.transform_stacks(p))
         args = data.draw(T.inputs(p, s))
         assert 1 <= len(s.transforms) <= 3
+        if jax.config.values.get("jax_scan3") and _jax_cannot(
+                lambda: jax.eval_shape(s.apply(lambda *a: p.plant({}, *a), jax), *args)):
+            reject()  # (JAX alone cannot run the program without sites: a Scan3
+            # has no batching rule inside a while loop in jax 0.12.1)
         jax.eval_shape(s.apply(p.fn, jax), *args)  # the inputs fit the stack
         seen.extend(t.kind for t in s.transforms)
     draw()
     assert {"grad", "jacfwd", "jacrev", "vmap", "jit"} <= set(seen)
+
+
+def _jax_cannot(run):
+    try:
+        run()
+    except NotImplementedError:
+        return True
+    return False
 
 
 def test_site_info_modes_and_counts():

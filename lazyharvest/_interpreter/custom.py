@@ -50,7 +50,7 @@ from lazyharvest.primitive import (
 def _custom(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call_jaxpr, **_) -> list:
     counts = count_occurrences(call_jaxpr.jaxpr, run.harvest)
     if any(k in run.plants for k in counts):
-        stripped = dict(_jax.unshared_thunks(eqn.params), call_jaxpr=run.stripped(call_jaxpr))
+        stripped = dict(_jax.unshared_thunks(eqn.params), call_jaxpr=_function(run, call_jaxpr))
         # The leading `num_consts` operands are values the user's function
         # closes over: like the plants, operands the user's rule does not
         # differentiate.
@@ -59,7 +59,13 @@ def _custom(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call_jaxpr, **_) -> l
                                eqn.params.get("num_consts", 0))
     if any(run.want(k) for k in counts):
         run.eval(call_jaxpr.jaxpr, call_jaxpr.consts, invals)
-    return bind(eqn, invals, dict(eqn.params, call_jaxpr=run.stripped(call_jaxpr)))
+    return bind(eqn, invals, dict(eqn.params, call_jaxpr=_function(run, call_jaxpr)))
+
+
+def _function(run: Run, call_jaxpr: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
+    # (a body harvested as an ordinary primitive, a `Scan3`'s, may leave JAX's
+    # Refs in the function, which JAX cannot lower inside a custom call)
+    return _jax.without_internal_refs(run.stripped(call_jaxpr))
 
 
 EVAL_RULES[_jax.custom_jvp_call_p] = _custom
@@ -770,7 +776,7 @@ def _custom_planted(run: Run, invals: list, closed: _jax.ClosedJaxpr, original: 
         run.end_inner_passes(inner.primal_sown)
     for k in ops.keys:
         run.cursor[k] = start.get(k, 0) + counts[k]
-    primal = lambda *a: planted(*a)[0]
+    primal = _jax.without_internal_refs_fn(lambda *a: planted(*a)[0])
 
     in_rule, plant_cotangents = _rule_plants(run, ops, counts, start)
     if is_jvp:

@@ -120,6 +120,8 @@ from lazyharvest._jax.core import (  # noqa: F401
     traces_below,
     tree_flatten,
     while_p,
+    without_internal_refs,
+    without_internal_refs_fn,
     zeros_like_aval,
 )
 from lazyharvest._jax.differentiation import (  # noqa: F401

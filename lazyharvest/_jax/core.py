@@ -21,6 +21,7 @@ from jax._src import source_info_util as _source_info_util
 from jax._src import traceback_util as _traceback_util
 from jax._src import tree_util as _tree_util
 from jax._src.interpreters import partial_eval as _pe
+from jax._src.state import discharge as _discharge
 from jax.api_util import debug_info as _debug_info
 from jax.api_util import flatten_fun_nokwargs as _flatten_fun_nokwargs
 from jax.extend import linear_util as lu
@@ -569,6 +570,34 @@ def trace_pytree(fn: Callable, in_tree: Any, in_avals: Sequence[Any],
     flat_fn, out_tree = _flatten_fun_nokwargs(lu.wrap_init(fn, debug_info=dbg), in_tree)
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(flat_fn, list(in_avals))
     return ClosedJaxpr(jaxpr, consts), out_tree()
+
+
+def without_internal_refs(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """`closed` with the Refs it makes and uses inside itself turned into
+    values (its Ref operands, if any, left as they are). JAX lowers a custom
+    function whose jaxpr makes Refs only while that jaxpr also holds a
+    high-level primitive (it then inlines the call: a `Scan3`'s carry Refs);
+    once that primitive is harvested as an ordinary one the Refs stay, and
+    JAX has no state-discharge rule for `custom_jvp_call` / `custom_vjp_call`."""
+    effect = getattr(_core, "InternalMutableArrayEffect", None)
+    if effect is None or not any(isinstance(e, effect) for e in closed.jaxpr.effects):
+        return closed
+    keep = [False] * len(closed.jaxpr.invars)
+    discharge: Any = _discharge.discharge_state
+    if "closed_jaxpr" in inspect.signature(discharge).parameters:  # (jax >= 0.10)
+        return discharge(closed, should_discharge=keep)
+    jaxpr, consts = discharge(closed.jaxpr, closed.consts, should_discharge=keep)
+    return ClosedJaxpr(jaxpr, consts)
+
+
+def without_internal_refs_fn(fn: Callable[..., list]) -> Callable[..., list]:
+    """`fn(*flat) -> list`, traced at its operands' types and run as
+    `without_internal_refs` of that trace."""
+    def call(*args: Any) -> list:
+        jaxpr, consts = trace_flat(fn, [jax.typeof(a) for a in args])
+        pure = without_internal_refs(ClosedJaxpr(jaxpr, consts))
+        return eval_jaxpr(pure.jaxpr, pure.consts, *args)
+    return call
 
 
 def consts_as_invars(jaxpr: Jaxpr) -> Jaxpr:

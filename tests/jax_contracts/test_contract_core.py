@@ -931,3 +931,24 @@ def test_a_custom_hi_prim_rebuilt_with_wrapped_rules_runs_them(flag):
     close(layer.eval_jaxpr(function, [], *leaves)[0], jnp.sin(x) * c)
     assert layer.is_zero(SymbolicZero(jax.typeof(x))) and not layer.is_zero(x)
     close(layer.dense_tangent(SymbolicZero(jax.typeof(x))), jnp.zeros(2))
+
+
+@pytest.mark.skipif(not hasattr(jax, "new_ref"), reason=f"jax {V} has no jax.new_ref")
+def test_without_internal_refs_discharges_the_refs_a_jaxpr_makes():
+    # jax._src.state.discharge.discharge_state and core.InternalMutableArrayEffect
+    def f(x):
+        r = jax.new_ref(x)
+        r[...] = jnp.sin(r[...]) * 2.0
+        return [r[...] + 1.0]
+    jaxpr, consts = layer.trace_flat(f, [jax.typeof(jnp.ones(3))])
+    closed = layer.ClosedJaxpr(jaxpr, consts)
+    assert closed.jaxpr.effects, f"jax {V}: a jaxpr making a Ref has no effect to say so"
+    pure = layer.without_internal_refs(closed)
+    assert not pure.jaxpr.effects
+    assert [v.aval for v in pure.jaxpr.invars] == [v.aval for v in jaxpr.invars]
+    assert not any("ref" in e.primitive.name or e.primitive.name in ("get", "swap")
+                   for e in pure.jaxpr.eqns), pure
+    x = jnp.array([0.1, 0.5, -2.0])
+    close(layer.eval_jaxpr(pure.jaxpr, pure.consts, x)[0], jnp.sin(x) * 2.0 + 1.0)
+    close(layer.without_internal_refs_fn(f)(x)[0], jnp.sin(x) * 2.0 + 1.0)
+    assert layer.without_internal_refs(pure) is pure  # (nothing to discharge)
