@@ -498,6 +498,11 @@ def test_a_remat_traced_holding_sites_saves_what_jax_checkpoint_saves_with_the_f
         with contextlib.redirect_stdout(buf):
             print_saved_residuals(fn, ws, x)
         return sorted(line.split()[0] for line in buf.getvalue().splitlines() if line.strip())
+    try:
+        saved(jax.jit(_checkpointed_layers(policy, sow=False)))
+    except NotImplementedError as e:  # (with jax_scan3 on too)
+        pytest.skip(f"jax {jax.__version__} cannot differentiate this program without "
+                    f"sites with these flags on: {e}")
     with jax_flag(flag, False):
         want = saved(jax.jit(_checkpointed_layers(policy, sow=False)))
     assert saved(jax.jit(harvested)) == want
