@@ -306,6 +306,8 @@ def section_c() -> None:
         check_close(reaped(*xs)["b"], hand_b(*xs), f"(c) n={n} leaf")
         check_close(reaped(*xs).compute("a", "c"), hand_ac(*xs), f"(c) n={n} compute")
         check_close(planted({"b": p}, *xs), hand_p(p, *xs), f"(c) n={n} plant")
+        cont = reaped(*[x + 1.0 for x in xs]).fn("b")  # (a DelayedDict of other inputs)
+        check_close(cont(*xs), hand_b(*xs), f"(c) n={n} continuation")
         before = COMPILES.count
         t = time_interleaved({
             "leaf": lambda: reaped(*xs)["b"].block_until_ready(),
@@ -315,9 +317,11 @@ def section_c() -> None:
             "plant": lambda: planted({"b": p}, *xs).block_until_ready(),
             "hand3": lambda: hand_p(p, *xs).block_until_ready(),
             "reap": lambda: reaped(*xs),
+            "cont": lambda: cont(*xs).block_until_ready(),
         }, number=300, repeat=7, warmup=20)
         assert COMPILES.count == before, "(c): a timed call compiled"
         for what, lazy, ref in (("leaf d['b']", "leaf", "hand"),
+                                ("d.fn('b')(*args)", "cont", "hand"),
                                 ("d.compute('a','c')", "comp", "hand2"),
                                 ("plant({'b': p})", "plant", "hand3")):
             diff = t[lazy] - t[ref]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import operator
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -14,7 +13,7 @@ import jax
 
 from lazyharvest import _jax
 from lazyharvest._interpreter import Harvest
-from lazyharvest.delayed import DelayedDict, _Store
+from lazyharvest.delayed import _ARRAYS, _ONE_LEAF, DelayedDict, _aval, _Store
 from lazyharvest.errors import HarvestError
 from lazyharvest.primitive import scoped
 from lazyharvest.program import (
@@ -162,8 +161,6 @@ class _Recent:
                 del self.table[next(iter(self.table))]
 
 
-_aval = operator.attrgetter("aval")
-_ARRAYS = {_jax.ArrayImpl}
 
 
 def reap(f: Callable, *, tag: Hashable, allowlist: Iterable[Any] | None = None,
@@ -374,9 +371,9 @@ def _planter(f: Callable, h: Harvest, how: _Call) -> Callable[..., Any]:
         key = (tree, arg_tree, tuple(map(_aval, flat)), tuple(map(_aval, leaves)))
         hit = recent.get(key)
         if hit is not None:
-            prog, out_tree, perm = hit
-            outs = prog(*flat, *[leaves[i] for i in perm])
-            return jax.tree_util.tree_unflatten(out_tree, outs[:out_tree.num_leaves])
+            run, out_tree, n_out, perm = hit
+            outs = run(*flat, *leaves) if perm is None else run(*flat, *[leaves[i] for i in perm])
+            return outs[0] if n_out is None else out_tree.unflatten(outs[:n_out])
         return _run(f, h, plants, args, kwargs, how,
                     remember_program=functools.partial(_remember_plants, recent, key, leaves))
     return planted
@@ -389,7 +386,12 @@ def _remember_plants(recent: _Recent, key: Any, given: list, traced: Traced, pro
     where = {id(x): i for i, x in enumerate(given)}
     perm = [where.get(id(x)) for x in plant_leaves]
     if len(where) == len(given) and None not in perm:
-        recent.remember(key, (prog, traced.out_tree, perm))
+        # (the program has run: its jitted function is called directly; a
+        # plain output, one array, and the leaves in their order, unpacked)
+        out_tree = traced.out_tree
+        recent.remember(key, (prog.fn, out_tree,
+                              None if out_tree == _ONE_LEAF else out_tree.num_leaves,
+                              None if perm == list(range(len(given))) else perm))
 
 
 def harvest(f: Callable, *, tag: Hashable, allowlist: Iterable[Any] | None = None,

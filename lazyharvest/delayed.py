@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from _thread import RLock as _RLock  # threading.RLock, without its Python frame
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -27,6 +27,11 @@ _MISSING = object()
 _PLANS_PER_TRACE = 256  # `compute` key plans kept per trace
 
 
+_ARRAYS = {_jax.ArrayImpl}
+_aval = operator.attrgetter("aval")
+_ONE_LEAF = jax.tree_util.tree_structure(0)
+
+
 class _Store:
     """State shared by a DelayedDict and its sub-views."""
 
@@ -49,7 +54,9 @@ class _Store:
         self.traced_inputs = (traced.tracer_consts or (not concrete and _jax.any_tracer(args))
                               or (plant_leaves and _jax.any_tracer(plant_leaves)))
         self.values: dict = {}
-        self.lock = _RLock()
+        # (the trace's: one per call would cost more than the call's other
+        # bookkeeping; programs are built and compiled under it anyway)
+        self.lock = traced.lock
 
     @property
     def inputs(self) -> tuple:
@@ -270,8 +277,17 @@ class DelayedDict(Mapping):
         raw = self._raw(key, parts)
         store = self._store
         traced = store.traced
+        # (avals, jitted slice, leaf tree or None) once a call of positional
+        # arrays has run: later such calls of those avals run the slice at
+        # once, at the cost of jax.jit's own call (a loop over new inputs)
+        fast: list = []
 
         def continuation(*args: Any, **kwargs: Any) -> Any:
+            if fast and not kwargs and set(map(type, args)) == _ARRAYS:
+                avals, run, tree = fast[0]
+                if tuple(map(_aval, args)) == avals:
+                    out = run(*args, *store.plant_leaves)
+                    return out[0] if tree is None else tree.unflatten(out)
             flat, spec, avals = flatten_args(args, kwargs)
             if spec != traced.arg_spec or not _same_avals(avals, traced.in_avals):
                 raise HarvestError(
@@ -283,7 +299,11 @@ class DelayedDict(Mapping):
                     f"for other arguments.")
             prog = traced.program([raw], with_out=False, plants=store.plants)
             leaves = prog(*flat, *store.plant_leaves)
-            return jax.tree_util.tree_unflatten(traced.sites[raw].tree, leaves)
+            tree = traced.sites[raw].tree
+            if not kwargs and set(map(type, args)) == _ARRAYS and not store.traced_inputs:
+                fast[:] = [(avals, prog.fn, None if tree.num_leaves == 1 and
+                            tree == _ONE_LEAF else tree)]
+            return tree.unflatten(leaves)
         return continuation
 
     def is_computed(self, key: Any, *parts: Any) -> bool:

@@ -207,3 +207,40 @@ def test_arrays_the_function_closes_over_are_freed_with_it(make):
     ref = run()
     gc.collect()
     assert ref() is None, "an array the reaped function closed over outlived it"
+
+
+def test_a_leaf_continuation_called_in_a_loop_runs_its_slice_without_compiling():
+    # d.fn(key): the hot-loop form (after its first call, a call of arrays of
+    # the first call's types runs the compiled slice at once)
+    def f(x, y):
+        return mlp(x * y)
+    x0 = jnp.linspace(-1.0, 1.0, 8)
+    d = lh.reap(f, tag="t")(x0, x0)
+    step = d.fn("h1")
+    tree_step = lh.reap(lambda x, y: (lh.sow({"a": x, "b": (x * y, y)}, tag="t", name="p"),
+                                      x)[1], tag="t")(x0, x0).fn("p")
+    step(x0, x0)  # (compiles)
+    tree_step(x0, x0)
+    inputs, wanted = [], []
+    for i in range(5):
+        x, y = x0 + 0.1 * i, jnp.full(8, 0.5 + i, jnp.float32)
+        h = x * y
+        for j in range(2):
+            h = jnp.tanh(h * (j + 1.5) + 0.1)
+        inputs.append((x, y))
+        wanted.append((h, {"a": x, "b": (x * y, y)}))
+    before = COMPILES.count
+    got = [(step(x, y), tree_step(x, y)) for x, y in inputs]
+    jax.block_until_ready(got)
+    assert COMPILES.count == before
+    for (h, p), (want_h, want_p) in zip(got, wanted):
+        close(h, want_h)
+        close(p, want_p)
+    # other types, other structures: refused as before
+    with pytest.raises(lh.HarvestError, match="shaped like"):
+        step(jnp.ones(3), jnp.ones(3))
+    with pytest.raises(lh.HarvestError, match="shaped like"):
+        step(x0.astype(jnp.int32), x0)
+    with pytest.raises(lh.HarvestError, match="shaped like"):
+        step((x0, x0))
+    close(step(1.0 + x0, x0), jnp.tanh(jnp.tanh((1.0 + x0) * x0 * 1.5 + 0.1) * 2.5 + 0.1))
