@@ -372,9 +372,10 @@ def _custom_program(flag_name, generic_batching=False, inner=None, remat=False):
         fn.defjvp(lambda p, t: (fn(p[0]), 3.0 * t[0]))
     elif remat:
         fn = jax.custom_vjp(body)
-        # (`rem` recomputes f without its site: one that sows it again is
-        # a second occurrence, a gap: docs/compat.md)
-        plain = inner or (lambda x: jnp.sin(x * 2))
+        # (`rem` recomputes f: with a copy of f without its site, or, with
+        # remat="calls", by calling f, whose site it then sows again, a
+        # recomputation)
+        plain = fn if remat == "calls" else inner or (lambda x: jnp.sin(x * 2))
         fn.defremat(lambda x: (fn(x), x), lambda x, x_again: (plain(x_again), x_again),
                     lambda x, g: (3.0 * g,), generic_batching=True)
     else:
@@ -536,18 +537,21 @@ def test_the_results_jax_remat3_left_wrong_are_right(flag):
     not _jax.CUSTOM_HI_PRIMS or not hasattr(jax.custom_vjp, "defremat"),
     reason=f"jax {jax.__version__} has no custom_vjp.defremat, or its sites are refused")
 @pytest.mark.usefixtures("default_staging")
-def test_a_custom_vjp_with_remat_rules_harvests_with_every_flag_off():
-    # (defremat with generic_batching stages a CustomVJPTraced with every flag off)
-    _check_custom_program("jax_custom_vjp3", remat=True)
+@pytest.mark.parametrize("rem", ["copy", "calls"])
+def test_a_custom_vjp_with_remat_rules_harvests_with_every_flag_off(rem):
+    # (defremat with generic_batching stages a CustomVJPTraced with every flag
+    # off). Was, for a `rem` that calls the function: "site 'in': sown twice"
+    _check_custom_program("jax_custom_vjp3", remat=rem)
 
 
 @pytest.mark.skipif(
     not _jax.CUSTOM_HI_PRIMS or not hasattr(jax.custom_vjp, "defremat"),
     reason=f"jax {jax.__version__} has no custom_vjp.defremat, or its sites are refused")
 @pytest.mark.parametrize("flag", REMAT3, indirect=True)
-def test_a_custom_vjp_with_remat_rules_in_a_checkpoint_under_jax_remat3(flag):
+@pytest.mark.parametrize("rem", ["copy", "calls"])
+def test_a_custom_vjp_with_remat_rules_in_a_checkpoint_under_jax_remat3(flag, rem):
     # Reverse mode under jax.checkpoint is where JAX runs the remat rules.
-    prog = jax.checkpoint(_custom_program("jax_custom_vjp3", remat=True))
+    prog = jax.checkpoint(_custom_program("jax_custom_vjp3", remat=rem))
     x = 0.3
     _check_rule_gradient(prog, x)
     planted = jax.grad(lambda x: lh.plant(prog, tag="t")({"in": 1.0}, x))(x)

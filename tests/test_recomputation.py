@@ -16,7 +16,6 @@ from jax import lax
 import lazyharvest as lh
 from helpers import (
     close,
-    known_gap_under,
     skip_where_jax_cannot_differentiate_diffrax,
     skip_where_jax_ignores_scan3_reverse,
 )
@@ -215,8 +214,6 @@ def test_equinox_checkpointed_scan_over_layers():
     close(d["vjp", "h"], jax.grad(lambda W, e: loss(W, e, lambda h: h), argnums=1)(W, Z)[-1])
 
 
-@known_gap_under("jax_custom_vjp3", "the forward rule of Equinox's checkpointed while loop "
-                 "sows the site under the primal label, an extra key")
 def test_diffrax_default_adjoint_value_and_cotangent_are_the_last_forward_evaluation():
     diffrax = pytest.importorskip("diffrax")
     skip_where_jax_cannot_differentiate_diffrax()

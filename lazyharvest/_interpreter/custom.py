@@ -417,11 +417,24 @@ def _find_rule_sites(fun: Any, rule: Any, avals: Sequence[Any], n: int,
             continue
         if primal is None:
             primal, _ = _jax.trace_wrapped_avals(fun, avals[:n])
-        own = {k[2] for k in count_occurrences(primal, Harvest(tag))}
+        own = _names_sown(primal, tag)
         if names - own:
             found = _Rule(tag, _jax.ClosedJaxpr(jaxpr, consts), ())
             return attrs.evolve(found, sites=_shapes(found, avals, own))
     return None
+
+
+def _names_sown(jaxpr: _jax.Jaxpr, tag: Any) -> set:
+    """The names `jaxpr` sows of `tag`, recomputations included (a function
+    a rule recomputes sows them as such: they are not the rule's own)."""
+    names: set = set()
+
+    def visit(params: dict) -> dict:
+        if params["tag"] == tag:
+            names.add(params["name"])
+        return params
+    _jax.map_params(jaxpr, sow_p, visit)
+    return names
 
 
 def _shapes(rule: _Rule, avals: Sequence[Any], own: set) -> tuple:
@@ -584,15 +597,38 @@ def _hi_fwd_with_sites(prim: Any) -> Any:
     rules, scopes = _jax.custom_hi_rules(prim), current_scopes()
     sown: set = set()
 
-    def fwd(nzs_in: Any, *args: Any) -> Any:
-        def call(*xs: Any) -> Any:
-            return _run_rule(lambda: rules["fwd"](nzs_in, *xs), lambda: _sow_hi(prim, xs))
-        return _rewritten(call, args, lambda p: _as_primal(p, sown))
+    def forward(rule: Callable) -> Callable:
+        """`rule(*args)`, a forward rule: the function's sites are primal sites."""
+        def run(*args: Any) -> Any:
+            def call(*xs: Any) -> Any:
+                return _run_rule(lambda: rule(*xs), lambda: _sow_hi(prim, xs))
+            return _rewritten(call, args, lambda p: _as_primal(p, sown))
+        return update_wrapper(run, rule)
 
-    def bwd(res: Any, out_ct: Any) -> Any:
-        return _recomputing_sown(rules["bwd"], (res, out_ct), sown, scopes)
-    return _jax.with_custom_rules(prim, fwd=update_wrapper(fwd, rules["fwd"]),
-                                  bwd=update_wrapper(bwd, rules["bwd"]))
+    def recomputing(rule: Callable) -> Callable:
+        """`rule`, run after the forward rule: its sows of the names that
+        sowed are recomputations."""
+        def run(*args: Any) -> Any:
+            return _recomputing_sown(rule, args, sown, scopes)
+        return update_wrapper(run, rule)
+
+    remat = _jax.custom_hi_remat_rules(prim)
+    if remat is None:
+        def fwd(nzs_in: Any, *args: Any) -> Any:
+            return forward(partial(rules["fwd"], nzs_in))(*args)
+        return _jax.with_custom_rules(prim, fwd=update_wrapper(fwd, rules["fwd"]),
+                                      bwd=recomputing(rules["bwd"]))
+    # `defremat`: a forward rule, then `rem` (right after it, as JAX's forward
+    # rule for them runs it, or in the backward pass under jax.checkpoint),
+    # which may call the function again: a recomputation
+    rfwd, rem, rbwd = forward(remat[0]), recomputing(remat[1]), recomputing(remat[2])
+
+    def fwd_then_rem(nzs_in: Any, *args: Any) -> Any:
+        out, res = rfwd(*args)
+        return out, rem(res, *args)[1]
+    return _jax.with_custom_rules(prim, fwd=update_wrapper(fwd_then_rem, rules["fwd"]),
+                                  bwd=recomputing(rules["bwd"]),
+                                  remat_rules=(rfwd, rem, rbwd))
 
 
 def _hi_bwd_after_the_forward(prim: Any) -> Any:

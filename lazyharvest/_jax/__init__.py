@@ -43,6 +43,7 @@ from lazyharvest._jax.core import (  # noqa: F401
     custom_hi_prim_leading,
     custom_hi_function,
     custom_hi_primal,
+    custom_hi_remat_rules,
     custom_hi_rules,
     custom_hi_tree,
     dense_tangent,

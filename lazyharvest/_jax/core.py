@@ -5,6 +5,7 @@ re-binding eqns, tracers and traces, and registering effects and batchers."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 from collections.abc import Callable, Iterator, Sequence
@@ -37,7 +38,7 @@ except ImportError:  # jax < 0.10
     from jax._src.effects import Effect  # noqa: F401
 
 from lazyharvest._identity_cache import MISSING, IdentityCache
-from lazyharvest._jax.versions import BIND_PARAMS_SPLIT, MERGED_JAXPR
+from lazyharvest._jax.versions import BIND_PARAMS_SPLIT, CUSTOM_HI_PRIMS, MERGED_JAXPR
 
 Zero = ad.Zero
 ShapedArray = _core.ShapedArray
@@ -174,6 +175,11 @@ def rebuilt_hi_prim(x: Any, fn: Callable[[Any], Any]) -> Any:
     params = getattr(x, "params", None)
     if not hi_prim_jaxprs(x) or not isinstance(params, dict):
         return None
+    if CUSTOM_HI_PRIMS and hi_prim_flag(x) in _CUSTOM_RULES:
+        traced = params["traced"]
+        jaxpr = fn(traced.jaxpr)
+        return x if jaxpr is traced.jaxpr else with_custom_rules(
+            x, traced=_traced_with_jaxpr(traced, jaxpr))
     accepted = inspect.signature(type(x).__init__).parameters
     if not set(params) <= set(accepted) or any(
             p.default is p.empty and n not in params
@@ -183,6 +189,16 @@ def rebuilt_hi_prim(x: Any, fn: Callable[[Any], Any]) -> Any:
     if all(new[k] is v for k, v in params.items()):
         return x
     return type(x)(**new)
+
+
+def _traced_with_jaxpr(traced: Any, jaxpr: Any) -> Any:
+    """A copy of a `stages.Traced` (a custom function's object holds one)
+    whose jaxpr is `jaxpr` (JAX's `Traced.with_consts_as_arg` swaps it in the
+    same way); what it derives from its jaxpr, lowered, is made again."""
+    new = copy.copy(traced)
+    new._params = dict(traced._params, jaxpr=jaxpr)
+    new._lojax = new._closure_converted = None
+    return new
 
 
 def _jaxprs_in(v: Any) -> list:
@@ -311,7 +327,15 @@ def custom_hi_rules(prim: Any) -> dict[str, Callable]:
     return {k: prim.params[k] for k in _CUSTOM_RULES[hi_prim_flag(prim) or ""]}
 
 
-def with_custom_rules(prim: Any, **rules: Callable) -> Any:
+def custom_hi_remat_rules(prim: Any) -> tuple | None:
+    """A `CustomVJPTraced`'s rules from `custom_vjp.defremat`, as the object
+    calls them: `(fwd(*args) -> (out, res), rem(res, *args) -> (out, res),
+    bwd(res, ct))`; None without them. (Its `fwd` rule runs the first two.)"""
+    rules = prim.params.get("remat_rules")
+    return None if rules is None else tuple(rules[:3])
+
+
+def with_custom_rules(prim: Any, **rules: Any) -> Any:
     """A copy of a `CustomJVPTraced` / `CustomVJPTraced` with some of its
     rules (`custom_hi_rules`' names) replaced."""
     p = dict(prim.params, **rules)

@@ -952,3 +952,82 @@ def test_without_internal_refs_discharges_the_refs_a_jaxpr_makes():
     close(layer.eval_jaxpr(pure.jaxpr, pure.consts, x)[0], jnp.sin(x) * 2.0 + 1.0)
     close(layer.without_internal_refs_fn(f)(x)[0], jnp.sin(x) * 2.0 + 1.0)
     assert layer.without_internal_refs(pure) is pure  # (nothing to discharge)
+
+
+@pytest.mark.parametrize("flag", ["jax_custom_vjp3", "jax_custom_jvp3"])
+def test_a_custom_hi_prim_rebuilt_around_a_rewritten_function_runs_it(flag):
+    """lazyharvest assumes a custom function's object holds its function as
+    a `stages.Traced` whose `_params["jaxpr"]` it runs (JAX's own
+    `with_consts_as_arg` swaps it the same way), so `rebuilt_hi_prim` gives
+    an object whose function is the rewritten one, its rules kept (a sow's
+    params rewritten inside a custom function a rule calls: custom.py's
+    `_rewritten`)."""
+    from lazyharvest._jax.versions import CUSTOM_HI_PRIMS
+    if flag not in layer.HI_PRIM_FLAGS.values() or not CUSTOM_HI_PRIMS:
+        pytest.skip(f"jax {V} has no {flag}, or its sites are refused")
+    with jax_flag(flag):
+        if flag == "jax_custom_vjp3":
+            f = jax.custom_vjp(jnp.sin)
+            f.defvjp(lambda x: (f(x), x), lambda r, g: (7.0 * g,))
+        else:
+            f = jax.custom_jvp(jnp.sin)
+            f.defjvp(lambda p, t: (f(*p), 7.0 * t[0]))
+        closed = jax.make_jaxpr(f)(1.)
+    (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive is layer.call_hi_primitive_p]
+    hi = eqn.params["_prim"]
+    assert layer.rebuilt_hi_prim(hi, lambda v: v) is hi
+    cos = jax.make_jaxpr(jnp.cos)(1.).jaxpr.eqns[0].primitive
+
+    def swap(v):  # the function's sin replaced by cos
+        return _with_cos(v, cos) if isinstance(v, (layer.Jaxpr, layer.ClosedJaxpr)) else v
+    new = layer.rebuilt_hi_prim(hi, swap)
+    assert type(new) is type(hi) and new is not hi, (
+        f"a {type(hi).__name__}'s Traced could not be rebuilt on jax {V}")
+    jaxpr = closed.jaxpr.replace(eqns=[e.replace(params=dict(e.params, _prim=new))
+                                       if e is eqn else e for e in closed.jaxpr.eqns])
+    run = lambda x: jax.core.eval_jaxpr(jaxpr, closed.consts, x)[0]  # noqa: E731
+    close(run(jnp.float32(1.)), jnp.cos(1.))
+    close(jax.grad(run)(jnp.float32(1.)), 7.0)  # (the rule, kept)
+    assert cos in [e.primitive for e in layer.custom_hi_function(new).eqns]
+
+
+def _with_cos(v, cos):
+    inner = v.jaxpr if isinstance(v, layer.ClosedJaxpr) and v.jaxpr is not v else v
+    eqns = [e.replace(primitive=cos) if e.primitive.name == "sin" else e for e in inner.eqns]
+    new = inner.replace(eqns=eqns)
+    return layer.ClosedJaxpr(new, v.consts) if inner is not v else new
+
+
+def test_custom_hi_remat_rules_are_the_objects_defremat_rules():
+    """`custom_hi_remat_rules` gives a `defremat` object's `(fwd, rem, bwd)`
+    as the object calls them (`remat_rules` param), and `with_custom_rules`
+    rebuilds it with them replaced: jax.checkpoint under `jax_remat3` runs
+    the replacements (fwd forward, rem and bwd backward)."""
+    from lazyharvest._jax.versions import CUSTOM_HI_PRIMS
+    if (not CUSTOM_HI_PRIMS or not hasattr(jax.custom_vjp, "defremat")
+            or "jax_remat3" not in layer.HI_PRIM_FLAGS.values()):
+        pytest.skip(f"jax {V} has no custom_vjp.defremat or jax_remat3, or custom "
+                    f"functions' sites are refused")
+    f = jax.custom_vjp(jnp.sin)
+    f.defremat(lambda x: (f(x), x), lambda x, x_again: (jnp.sin(x_again), x_again),
+               lambda x, g: (3.0 * g,), generic_batching=True)
+    closed = jax.make_jaxpr(f)(1.)
+    (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive is layer.call_hi_primitive_p]
+    hi = eqn.params["_prim"]
+    rules = layer.custom_hi_remat_rules(hi)
+    assert rules is not None and len(rules) == 3 and all(map(callable, rules)), rules
+    seen = []
+
+    def spy(i):
+        def rule(*args):
+            seen.append(i)
+            return rules[i](*args)
+        return rule
+    new = layer.with_custom_rules(hi, remat_rules=tuple(spy(i) for i in range(3)))
+    assert layer.custom_hi_remat_rules(new) is not None
+    jaxpr = closed.jaxpr.replace(eqns=[e.replace(params=dict(e.params, _prim=new))
+                                       if e is eqn else e for e in closed.jaxpr.eqns])
+    run = lambda x: jax.core.eval_jaxpr(jaxpr, closed.consts, x)[0]  # noqa: E731
+    with jax_flag("jax_remat3"):
+        close(jax.grad(jax.checkpoint(run))(jnp.float32(1.)), 3.0)
+    assert set(seen) == {0, 1, 2}, seen
