@@ -383,12 +383,15 @@ def _remat_partial_eval(saveable, unks_in, inst_in, eqn):
 
 
 def _recomputed_call(saveable, unks_in, inst_in, eqn):
-    # JAX has no remat rule for a custom_jvp/custom_vjp call: it copies a
-    # known one whole into the rematerialized part, where the copies of its
-    # sites would count as occurrences. This is JAX's default, the copied
-    # sites marked as `_remat_partial_eval` marks its own (only `call_jaxpr`
-    # is copied: a derivative the rule makes later is a site). An offloading
-    # policy saves the call's outputs instead of offloading them.
+    # JAX has no remat rule for a custom_jvp/custom_vjp call, nor for
+    # `call_hi_primitive` (a custom function's object under the jax_custom_*3
+    # flags): it copies a known one whole into the rematerialized part, where
+    # the copies of its sites would count as occurrences. This is JAX's
+    # default, the copied sites of a custom function marked as
+    # `_remat_partial_eval` marks its own (only its function is copied: a
+    # derivative the rule makes later is a site). An offloading policy saves
+    # the call's outputs instead of offloading them (a rule gives one known
+    # eqn: JAX's default adds the copies to memory and back).
     n = len(eqn.outvars)
     res = [v for v, inst in zip(eqn.invars, inst_in)
            if not inst and not isinstance(v, _jax.Literal)]
@@ -396,20 +399,21 @@ def _recomputed_call(saveable, unks_in, inst_in, eqn):
         return None, eqn, [True] * n, [True] * n, res
     if _jax.has_effects(eqn) or not _jax.policy_recomputes(saveable, eqn):
         return eqn, None, [False] * n, [False] * n, []
-    if not any(True for j in sub_jaxprs(eqn.params) for _ in _sows(j)):
+    if not _custom_function_sows(eqn):
         return eqn, eqn, [False] * n, [True] * n, res
     token = next(_remat_tokens)
-    known = eqn.replace(params=_marked(eqn.params, lambda p: dict(
-        p, remat=p.get("remat", ()) + (token,))))
-    staged = eqn.replace(params=_marked(eqn.params, lambda p: dict(
-        p, recompute=p["recompute"] or token, remat=())))
+    known = _jax.map_eqn_params(eqn, sow_p, lambda p: dict(
+        p, remat=p.get("remat", ()) + (token,)))
+    staged = _jax.map_eqn_params(eqn, sow_p, lambda p: dict(
+        p, recompute=p["recompute"] or token, remat=()))
     return known, staged, [False] * n, [True] * n, res
 
 
-def _marked(params: dict, fn: Callable[[dict], dict]) -> dict:
-    body = params["call_jaxpr"]
-    j = _jax.map_params(body.jaxpr, sow_p, fn)
-    return dict(params, call_jaxpr=_jax.ClosedJaxpr(j, body.consts))
+def _custom_function_sows(eqn: _jax.JaxprEqn) -> bool:
+    if eqn.primitive is _jax.call_hi_primitive_p and not _jax.is_custom_hi_prim(
+            eqn.params["_prim"]):
+        return False  # (another high-level primitive: copied as JAX copies it)
+    return any(True for j in sub_jaxprs(eqn.params) for _ in _sows(j))
 
 
 sow_p.def_impl(_impl)
@@ -423,6 +427,8 @@ _jax.register_batcher(sow_p, _batch)
 _jax.register_remat_rule(sow_p, _remat_partial_eval)
 _jax.register_remat_rule(_jax.custom_jvp_call_p, _recomputed_call)
 _jax.register_remat_rule(_jax.custom_vjp_call_p, _recomputed_call)
+if _jax.CUSTOM_HI_PRIMS and _jax.call_hi_primitive_p is not None:  # (jax >= 0.12)
+    _jax.register_remat_rule(_jax.call_hi_primitive_p, _recomputed_call)
 _jax.keep_in_scan_loops(sow_p, SowEffect, lambda params: params["effect"])
 
 

@@ -14,7 +14,6 @@ import pytest
 from jax import lax
 
 import lazyharvest as lh
-from helpers import known_gap_under
 from lazyharvest import _jax
 from lazyharvest import testing as T
 
@@ -746,10 +745,7 @@ def _rule_on(kind):
 
 @pytest.mark.parametrize("nested", [False, True])
 @pytest.mark.parametrize("kind", ["custom_jvp", "custom_vjp"])
-def test_regression_rule_site_on_a_constant_in_a_checkpoint_under_linearize(kind, nested, request):
-    request.applymarker(known_gap_under(
-        f"jax_{kind}3", "the rule's site copied into the checkpoint's linear part is an extra key",
-        when=not nested))
+def test_regression_rule_site_on_a_constant_in_a_checkpoint_under_linearize(kind, nested):
     # (a wide law-1 search) A custom call none of whose inputs has a tangent
     # is copied whole into jax.checkpoint's rematerialized linear part: its
     # site there is a recomputation. The linear function reaped its value

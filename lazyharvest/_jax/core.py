@@ -175,7 +175,7 @@ def rebuilt_hi_prim(x: Any, fn: Callable[[Any], Any]) -> Any:
     params = getattr(x, "params", None)
     if not hi_prim_jaxprs(x) or not isinstance(params, dict):
         return None
-    if CUSTOM_HI_PRIMS and hi_prim_flag(x) in _CUSTOM_RULES:
+    if is_custom_hi_prim(x):
         traced = params["traced"]
         jaxpr = fn(traced.jaxpr)
         return x if jaxpr is traced.jaxpr else with_custom_rules(
@@ -508,6 +508,20 @@ def _map_param(v: Any, prim: Primitive, fn: Callable[[dict], dict],
         return v if all(a is b for a, b in zip(new, v)) else type(v)(new)
     rebuilt = rebuilt_hi_prim(v, lambda x: _map_param(x, prim, fn, effect))
     return v if rebuilt is None else rebuilt
+
+
+def map_eqn_params(eqn: JaxprEqn, prim: Primitive, fn: Callable[[dict], dict]) -> JaxprEqn:
+    """`eqn` with the params of every eqn of `prim` in its bodies (a
+    high-level primitive object's included) replaced by `fn(params)`."""
+    params = {k: _map_param(v, prim, fn, None) for k, v in eqn.params.items()}
+    return eqn if all(params[k] is v for k, v in eqn.params.items()) else eqn.replace(
+        params=params)
+
+
+def is_custom_hi_prim(x: Any) -> bool:
+    """`x` is a custom function's object (`CustomJVPTraced`, `CustomVJPTraced`)
+    whose sites lazyharvest harvests (jax >= 0.12)."""
+    return CUSTOM_HI_PRIMS and hi_prim_flag(x) in _CUSTOM_RULES
 
 
 def identity_eqn(eqn: JaxprEqn) -> JaxprEqn:

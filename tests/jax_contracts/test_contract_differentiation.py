@@ -524,6 +524,43 @@ def test_partial_eval_jaxpr_custom_rules_calling_convention(monkeypatch):
         f"pe.partial_eval_jaxpr_custom_rules are called as {calls} on jax {V}")
 
 
+@pytest.mark.parametrize("policy", [None, "dots"])
+def test_the_remat_rule_of_call_hi_primitive_is_jaxs_default_for_an_object_without_sites(
+        policy, monkeypatch):
+    """JAX has no remat rule for `call_hi_primitive`; on jax >= 0.12
+    lazyharvest registers one (primitive.py, `_recomputed_call`: a custom
+    function's sites copied into the rematerialized part are marked) that
+    must split an object without sites as JAX's default does: the same
+    linearized jaxpr with the rule as with none."""
+    if not layer_core.CUSTOM_HI_PRIMS or layer_core.call_hi_primitive_p is None:
+        pytest.skip(f"jax {V}: no rule registered for call_hi_primitive")
+    from helpers import jax_flag
+    prim = layer_core.call_hi_primitive_p
+    pol = None if policy is None else jax.checkpoint_policies.checkpoint_dots
+    with jax_flag("jax_custom_jvp3"):
+        g = jax.custom_jvp(lambda u: jnp.sin(u) * 2.0)
+        g.defjvp(lambda p, t: (g(p[0]), 2.0 * jnp.cos(p[0]) * t[0]))
+        f = jax.checkpoint(lambda x, c: g(c) * jnp.sum(jnp.cos(x @ x)) + g(x[0, 0]),
+                           policy=pol)
+        x = jnp.ones((3, 3))
+
+        def linear_jaxpr():
+            return str(jax.make_jaxpr(lambda x: jax.linearize(lambda x: f(x, 0.7), x)[1](x))(x))
+        assert layer.remat_rule(prim).__module__ == "lazyharvest.primitive"
+        with_rule = linear_jaxpr()
+        monkeypatch.delitem(layer.pe.partial_eval_jaxpr_custom_rules, prim)
+        without = linear_jaxpr()
+    assert "call_hi_primitive" in with_rule or "CustomJVPTraced" in with_rule
+    assert _without_gensym(with_rule) == _without_gensym(without), (
+        f"lazyharvest's remat rule of call_hi_primitive splits differently from JAX's "
+        f"default on jax {V}")
+
+
+def _without_gensym(text):
+    import re
+    return re.sub(r"0x[0-9a-f]+", "0x", text)
+
+
 @needs_derivative_sites
 @pytest.mark.parametrize("name", ["jit_p", "scan_p", "cond_p"])
 def test_ad_fancy_transposes_calling_convention(name, monkeypatch):
