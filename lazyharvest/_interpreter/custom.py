@@ -606,8 +606,8 @@ def _hi_fwd_with_sites(prim: Any) -> Any:
         return update_wrapper(run, rule)
 
     def recomputing(rule: Callable) -> Callable:
-        """`rule`, run after the forward rule: its sows of the names that
-        sowed are recomputations."""
+        """`rule`, run after the forward rule: its sows of the names the
+        forward rule sowed are recomputations."""
         def run(*args: Any) -> Any:
             return _recomputing_sown(rule, args, sown, scopes)
         return update_wrapper(run, rule)
