@@ -301,8 +301,7 @@ class DelayedDict(Mapping):
             leaves = prog(*flat, *store.plant_leaves)
             tree = traced.sites[raw].tree
             if not kwargs and set(map(type, args)) == _ARRAYS and not store.traced_inputs:
-                fast[:] = [(avals, prog.fn, None if tree.num_leaves == 1 and
-                            tree == _ONE_LEAF else tree)]
+                fast[:] = [(avals, prog.fn, None if tree == _ONE_LEAF else tree)]
             return tree.unflatten(leaves)
         return continuation
 
