@@ -113,18 +113,6 @@ def skip_where_jax_ignores_scan3_reverse():
                f"with jax_scan3 on (Scan3 ignores reverse)")
 
 
-def known_gap_under_scan3():
-    """A mark expecting a test to fail with `jax_scan3` on: a custom_vjp
-    closing over an array, called in a jitted reverse scan, under a plant's
-    differentiation (docs/compat.md, the jax_scan3 row). Strict: it says so
-    once fixed."""
-    import pytest
-    return pytest.mark.xfail(
-        bool(jax.config.values.get("jax_scan3")), strict=True,
-        reason="known gap with jax_scan3 on: JAX is asked to differentiate the array a "
-               "custom_vjp in a Scan3 closes over (docs/compat.md)")
-
-
 def known_gap_under(flag: str, reason: str, when: bool = True):
     """A mark expecting a test to fail with JAX's `flag` on (and `when`): a
     gap docs/compat.md lists. Strict: it says so once fixed."""

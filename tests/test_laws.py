@@ -21,7 +21,6 @@ from helpers import (
     X,
     close,
     fresh_victim,
-    known_gap_under_scan3,
     simplest_with,
     skip_where_jax_checkpoints_scan3_wrongly,
 )
@@ -822,7 +821,6 @@ def test_regression_plant_gradient_past_a_jitted_custom_vjp_closing_over_an_arra
     T.check_vjp(f, XS, tag="t", subset=1)
 
 
-@known_gap_under_scan3()
 @pytest.mark.parametrize("uses_the_site", [False, True])
 def test_regression_plant_gradient_past_a_scan_of_a_rule_closing_over_an_array(uses_the_site):
     # (the wide searches, reduced) A jitted scan whose body calls a
@@ -914,7 +912,7 @@ needs_custom_call_hooks = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("which", [
-    pytest.param("closure_in_scan", marks=known_gap_under_scan3()),
+    "closure_in_scan",
     pytest.param("recompute_under_a_label_scope", marks=needs_custom_call_hooks)])
 def test_regression_wide_search_programs(which):
     # (a wide search; docs/laws.md lists the fixes, and the reduced programs:

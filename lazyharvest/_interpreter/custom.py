@@ -51,12 +51,14 @@ def _custom(run: Run, eqn: _jax.JaxprEqn, invals: list, *, call_jaxpr, **_) -> l
     counts = count_occurrences(call_jaxpr.jaxpr, run.harvest)
     if any(k in run.plants for k in counts):
         stripped = dict(_jax.unshared_thunks(eqn.params), call_jaxpr=_function(run, call_jaxpr))
-        # The leading `num_consts` operands are values the user's function
-        # closes over: like the plants, operands the user's rule does not
-        # differentiate.
+        # The leading operands are values the user's function closes over
+        # (a custom_vjp call bound again from a jaxpr, a `Scan3` body's, keeps
+        # count of them in its backward function only): like the plants,
+        # operands the user's rule does not differentiate.
+        is_jvp = eqn.primitive is _jax.custom_jvp_call_p
         return _custom_planted(run, invals, call_jaxpr, lambda *xs: bind(eqn, list(xs), stripped),
-                               eqn.primitive is _jax.custom_jvp_call_p,
-                               eqn.params.get("num_consts", 0))
+                               is_jvp, eqn.params.get("num_consts", 0) if is_jvp
+                               else _jax.closed_over_operands(eqn.params))
     if any(run.want(k) for k in counts):
         run.eval(call_jaxpr.jaxpr, call_jaxpr.consts, invals)
     return bind(eqn, invals, dict(eqn.params, call_jaxpr=_function(run, call_jaxpr)))
