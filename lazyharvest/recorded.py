@@ -335,6 +335,7 @@ def record(name: str, f: Callable, kwargs: dict, args: tuple, fkwargs: dict,
     flat, in_tree = jax.tree_util.tree_flatten((args, fkwargs))
     avals = [jax.typeof(x) for x in flat]
     axes: list = []
+    size: int | None = None
     if name == "vmap":
         avals, size = _per_example_avals(kwargs, args, fkwargs)
         if kwargs.get("axis_name") is not None:  # collectives inside need the axis
@@ -346,16 +347,73 @@ def record(name: str, f: Callable, kwargs: dict, args: tuple, fkwargs: dict,
     jaxpr = _jax.consts_as_invars(closed.jaxpr)
     transform = Transform(name, kwargs, in_tree, f_out_tree, len(consts))
     operands = [*consts, *flat, *jax.tree_util.tree_leaves(extra)]
-    inner = lambda *a: _jax.eval_jaxpr(jaxpr, (), *a)
-    with applying_recorded():
-        # the output types as JAX gives them, with the mesh axes they vary
-        # over inside a shard_map body (eval_shape's shapes would drop them)
-        traced, shape = jax.make_jaxpr(lambda *a: transform.call(inner, a),
-                                       return_shape=True)(*operands)
-    out_tree = jax.tree_util.tree_structure(shape)
+    known = _known_out_types(transform, closed.out_avals, f_out_tree, avals, size)
+    if known is None:
+        inner = lambda *a: _jax.eval_jaxpr(jaxpr, (), *a)
+        with applying_recorded():
+            # the output types as JAX gives them, with the mesh axes they vary
+            # over inside a shard_map body (eval_shape's shapes would drop them)
+            traced, shape = jax.make_jaxpr(lambda *a: transform.call(inner, a),
+                                           return_shape=True)(*operands)
+        known = jax.tree_util.tree_structure(shape), traced.out_avals
+    out_tree, out_avals = known
     outs = recorded_p.bind(*operands, jaxpr=jaxpr, transform=transform,
-                           out_avals=tuple(traced.out_avals))
+                           out_avals=tuple(out_avals))
     return jax.tree_util.tree_unflatten(out_tree, outs)
+
+
+def _known_out_types(t: Transform, f_avals: Sequence[Any], f_tree: Any,
+                     in_avals: Sequence[Any], size: int | None) -> tuple[Any, list] | None:
+    """(out tree, out avals) of `t` applied to a function of these types,
+    where they follow from the types alone: `jit`, `vmap` to an int
+    `out_axes`, `grad` and `value_and_grad` of a real scalar with respect to
+    real floating arrays, nothing sharded; None elsewhere (a trace of the
+    transformation tells). Tracing it would trace the transformed function
+    once more per recorded level, at every reap."""
+    if not all(map(_jax.is_unsharded_array_type, (*in_avals, *f_avals))):
+        return None
+    k = t.kwargs
+    if t.name == "jit":
+        return f_tree, list(f_avals)
+    if t.name == "vmap":
+        axis = k.get("out_axes", 0)
+        if (type(axis) is not int or size is None or k.get("axis_name") is not None
+                or k.get("spmd_axis_name") is not None):
+            return None
+        return f_tree, [_jax.with_batch_axis(a, size, axis % (a.ndim + 1)) for a in f_avals]
+    if t.name in ("grad", "value_and_grad") and not (k.get("holomorphic") or k.get("allow_int")):
+        return _gradient_types(t, f_avals, f_tree, in_avals)
+    return None
+
+
+def _gradient_types(t: Transform, f_avals: Sequence[Any], f_tree: Any,
+                    in_avals: Sequence[Any]) -> tuple[Any, list] | None:
+    """`_known_out_types` of `grad` / `value_and_grad`: the gradient has the
+    types of the arguments it is taken with respect to (weak types kept)."""
+    argnums, has_aux = t.kwargs.get("argnums", 0), bool(t.kwargs.get("has_aux"))
+    children = f_tree.children()
+    value_tree = children[0] if has_aux and len(children) == 2 else f_tree
+    if (not jax.tree_util.treedef_is_leaf(value_tree) or value_tree.num_leaves != 1
+            or (has_aux and len(children) != 2)):
+        return None  # (JAX's error, from the trace)
+    value = f_avals[0]
+    if value.shape != () or not jnp.issubdtype(value.dtype, jnp.floating):
+        return None
+    args, _ = jax.tree_util.tree_unflatten(t.in_tree, list(in_avals))
+    picked = (argnums,) if type(argnums) is int else argnums
+    if not all(type(i) is int and 0 <= i < len(args) for i in picked):
+        return None
+    wrt = args[argnums] if type(argnums) is int else tuple(args[i] for i in picked)
+    if not all(jnp.issubdtype(a.dtype, jnp.floating) for a in jax.tree_util.tree_leaves(wrt)):
+        return None
+    out: Any = wrt
+    if has_aux:
+        aux = jax.tree_util.tree_unflatten(children[1], f_avals[1:])
+        out = ((value, aux), wrt) if t.name == "value_and_grad" else (wrt, aux)
+    elif t.name == "value_and_grad":
+        out = (value, wrt)
+    leaves, tree = jax.tree_util.tree_flatten(out)
+    return tree, leaves
 
 
 def _per_example_avals(vmap_kwargs: dict, args: tuple, fkwargs: dict) -> tuple[list, int]:

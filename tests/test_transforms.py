@@ -310,3 +310,79 @@ def test_a_rebuilt_grad_wrapper_checks_its_function_and_runs_outside_a_harvest()
         np.testing.assert_allclose(g(x), jax.grad(f)(x), rtol=1e-6)
     v, gv = lh.value_and_grad(f)(x)
     np.testing.assert_allclose(gv, jax.grad(f)(x), rtol=1e-6)
+
+
+# --- a reap traces no transformation of the function ---------------------------------
+
+def _counted_tanh():
+    """tanh whose JVP rule counts its calls: one per differentiation traced."""
+    calls = []
+
+    @jax.custom_jvp
+    def tanh(x):
+        return jnp.tanh(x)
+
+    @tanh.defjvp
+    def _(primals, tangents):
+        calls.append(1)
+        y = jnp.tanh(primals[0])
+        return y, (1 - y ** 2) * tangents[0]
+    return tanh, calls
+
+
+def test_a_reap_of_recorded_vmap_of_grad_differentiates_nothing_until_a_leaf_is_read():
+    # The output types of lh.grad and lh.vmap follow from the function's
+    # types; a reap used to trace each recorded level's transformation to
+    # learn them (the JVP rule ran twice for vmap of grad).
+    def make_loss(tanh):
+        def loss(w, x):
+            return sow(jnp.mean(tanh(x @ w) ** 2), tag="t", name="loss")
+        return loss
+    w = jnp.linspace(-1., 1., 12).reshape(4, 3)
+    xs = jnp.linspace(0., 1., 20).reshape(5, 4)
+    # (a harvest traces a custom rule once to look for sites in it: the
+    # same number of calls for an untransformed reap)
+    tanh, searched = _counted_tanh()
+    lh.reap(make_loss(tanh), tag="t")(w, xs[0])
+    tanh, calls = _counted_tanh()
+    d = lh.reap(lh.vmap(lh.grad(make_loss(tanh)), in_axes=(None, 0)), tag="t")(w, xs)
+    assert len(calls) == len(searched)
+    want = jax.vmap(jax.grad(make_loss(jnp.tanh)), in_axes=(None, 0))(w, xs)
+    close(d["grad", "loss"], want)
+    assert len(calls) > len(searched), "the leaf differentiates"
+
+
+def _typed(tree):
+    return jax.tree_util.tree_map(lambda a: (a.shape, a.dtype, a.weak_type), tree)
+
+
+@pytest.mark.parametrize("name,kwargs,args", [
+    ("grad", {}, (2.0, jnp.ones(3))),  # a weak-typed argument
+    ("grad", dict(argnums=(0, 1)), (jnp.float16(1.5), jnp.ones(3, jnp.bfloat16))),
+    ("grad", dict(argnums=1, has_aux=True), (2.0, {"a": jnp.ones(3), "b": (jnp.ones(2),)})),
+    ("value_and_grad", {}, (2.0, jnp.ones(3))),
+    ("value_and_grad", dict(argnums=(1,), has_aux=True), (jnp.ones(2), {"a": jnp.ones(3)})),
+    ("vmap", {}, (jnp.ones((4, 2)), jnp.ones((4, 3)))),
+    ("vmap", dict(in_axes=(None, 1), out_axes=-1), (jnp.ones(2), jnp.ones((3, 4)))),
+    ("vmap", dict(in_axes=(0, None)), (jnp.ones((4, 2)), 3.0)),
+    ("jit", {}, (2.0, jnp.ones(3, jnp.int32))),
+])
+def test_recorded_transforms_give_the_output_types_jax_gives(name, kwargs, args):
+    def fn(a, b):
+        a_sum = sum(jnp.sum(v) for v in jax.tree_util.tree_leaves(a))
+        b_sum = sum(jnp.sum(v) for v in jax.tree_util.tree_leaves(b))
+        value = sow(jnp.sin(a_sum) * b_sum, tag="t", name="v").astype(
+            jnp.result_type(jax.tree_util.tree_leaves(a)[0]))
+        if kwargs.get("has_aux"):
+            return value, {"aux": b_sum * 2, "w": 3.0}
+        return (value, 2.0) if name in ("vmap", "jit") else value
+    want = jax.eval_shape(getattr(jax, name)(fn, **kwargs), *args)
+    got = jax.eval_shape(lambda *a: lh.call_and_reap(getattr(lh, name)(fn, **kwargs),
+                                                      tag="t")(*a)[0], *args)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    assert _typed(got) == _typed(want)
+    out, _ = lh.call_and_reap(getattr(lh, name)(fn, **kwargs), tag="t")(*args)
+    expected = getattr(jax, name)(fn, **kwargs)(*args)
+    close(out, expected)
+    assert _typed(jax.tree_util.tree_map(jnp.asarray, out)) == _typed(
+        jax.tree_util.tree_map(jnp.asarray, expected))

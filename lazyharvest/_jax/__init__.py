@@ -182,10 +182,12 @@ from lazyharvest._jax.partial_eval import (  # noqa: F401
     wrap_dce_rule,
 )
 from lazyharvest._jax.sharding import (  # noqa: F401
+    is_unsharded_array_type,
     local_aval,
     shard_map_body_context,
     shard_map_params,
     under_eager_shard_map,
     varying_axes,
+    with_batch_axis,
 )
 

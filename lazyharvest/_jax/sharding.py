@@ -74,3 +74,20 @@ def internals() -> dict[str, Any]:
     from jax._src import shard_map as _shard_map
 
     return {"jax._src.mesh": _mesh, "jax._src.shard_map": _shard_map}
+
+
+def is_unsharded_array_type(aval: Any) -> bool:
+    """Whether `aval` is a plain array type: a `ShapedArray` on no mesh,
+    varying over no mesh axis (its derived types follow from shape, dtype
+    and weak type alone)."""
+    if type(aval) is not _core.ShapedArray or varying_axes(aval):
+        return False
+    sharding = getattr(aval, "sharding", None)
+    return sharding is None or sharding.mesh.empty
+
+
+def with_batch_axis(aval: Any, size: int, axis: int) -> Any:
+    """The unsharded array type `aval` with a new axis of `size` at `axis`."""
+    shape = list(aval.shape)
+    shape.insert(axis, size)
+    return aval.update(shape=tuple(shape))

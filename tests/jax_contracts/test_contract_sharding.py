@@ -118,3 +118,28 @@ def test_shard_map_trace_is_eager_shard_map():
     jax.jit(sm)(jnp.arange(8.))
     assert seen == [True, False], (
         f"shard_map.ShardMapTrace is not the eager shard_map's trace on jax {V}: {seen}")
+
+
+def test_unsharded_array_types_and_their_batched_types():
+    """lazyharvest assumes a plain array's type is a `core.ShapedArray` whose
+    sharding is on the empty mesh, that a value inside a checked shard_map
+    body or sharded on a mesh has another type, and that `aval.update(shape=)`
+    keeps dtype and weak type: what `vmap` makes of a per-example output type
+    (sharding.is_unsharded_array_type, with_batch_axis)."""
+    for x in (jnp.ones((2, 3), jnp.bfloat16), 2.0, jnp.int32(3)):
+        a = jax.typeof(x)
+        assert layer.is_unsharded_array_type(a), f"jax {V}: {a} is not a plain type"
+        for axis in range(a.ndim + 1):
+            want = jax.make_jaxpr(jax.vmap(lambda v: v * 1, out_axes=axis))(
+                jnp.broadcast_to(jnp.asarray(x), (5, *a.shape)).astype(a.dtype)
+                if not a.weak_type else jnp.full((5,), x)).out_avals[0]
+            got = layer.with_batch_axis(a, 5, axis)
+            assert (got.shape, got.dtype, got.weak_type) == (want.shape, want.dtype,
+                                                             want.weak_type), (
+                f"jax {V}: vmap's output type {want} is not {got}")
+    _, eqn = _shard_map_eqn(True)
+    assert not layer.is_unsharded_array_type(eqn.params["jaxpr"].invars[0].aval)
+    explicit = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    sharded = jax.device_put(jnp.arange(8.), jax.sharding.NamedSharding(explicit, P("x")))
+    assert not layer.is_unsharded_array_type(jax.typeof(sharded)), (
+        f"jax {V}: an explicitly sharded array's type {jax.typeof(sharded)} looks plain")
