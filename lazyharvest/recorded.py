@@ -365,39 +365,46 @@ def record(name: str, f: Callable, kwargs: dict, args: tuple, fkwargs: dict,
 def _known_out_types(t: Transform, f_avals: Sequence[Any], f_tree: Any,
                      in_avals: Sequence[Any], size: int | None) -> tuple[Any, list] | None:
     """(out tree, out avals) of `t` applied to a function of these types,
-    where they follow from the types alone: `jit`, `vmap` to an int
-    `out_axes`, `grad` and `value_and_grad` of a real scalar with respect to
-    real floating arrays, nothing sharded; None elsewhere (a trace of the
-    transformation tells). Tracing it would trace the transformed function
-    once more per recorded level, at every reap."""
-    if not all(map(_jax.is_unsharded_array_type, (*in_avals, *f_avals))):
+    where they follow from the types alone (`_OUT_TYPES`), nothing sharded;
+    None elsewhere (a trace of the transformation tells). Tracing it would
+    trace the transformed function once more per recorded level, at every
+    reap."""
+    rule = _OUT_TYPES.get(t.name)
+    if rule is None or not all(map(_jax.is_unsharded_array_type, (*in_avals, *f_avals))):
         return None
-    k = t.kwargs
-    if t.name == "jit":
-        return f_tree, list(f_avals)
-    if t.name == "vmap":
-        axis = k.get("out_axes", 0)
-        if (type(axis) is not int or size is None or k.get("axis_name") is not None
-                or k.get("spmd_axis_name") is not None):
-            return None
-        return f_tree, [_jax.with_batch_axis(a, size, axis % (a.ndim + 1)) for a in f_avals]
-    if t.name in ("grad", "value_and_grad") and not (k.get("holomorphic") or k.get("allow_int")):
-        return _gradient_types(t, f_avals, f_tree, in_avals)
-    return None
+    return rule(t, f_avals, f_tree, in_avals, size)
+
+
+def _jit_types(t: Transform, f_avals: Sequence[Any], f_tree: Any, in_avals: Sequence[Any],
+               size: int | None) -> tuple[Any, list] | None:
+    return f_tree, list(f_avals)
+
+
+def _vmap_types(t: Transform, f_avals: Sequence[Any], f_tree: Any, in_avals: Sequence[Any],
+                size: int | None) -> tuple[Any, list] | None:
+    """An int `out_axes`, no named axis: every output gains the axis there."""
+    axis, k = t.kwargs.get("out_axes", 0), t.kwargs
+    if (type(axis) is not int or size is None or k.get("axis_name") is not None
+            or k.get("spmd_axis_name") is not None):
+        return None
+    return f_tree, [_jax.with_batch_axis(a, size, axis % (a.ndim + 1)) for a in f_avals]
 
 
 def _gradient_types(t: Transform, f_avals: Sequence[Any], f_tree: Any,
-                    in_avals: Sequence[Any]) -> tuple[Any, list] | None:
-    """`_known_out_types` of `grad` / `value_and_grad`: the gradient has the
-    types of the arguments it is taken with respect to (weak types kept)."""
+                    in_avals: Sequence[Any], size: int | None) -> tuple[Any, list] | None:
+    """`grad` / `value_and_grad` of a real scalar with respect to real
+    floating arguments: the gradient has their types (weak types kept)."""
+    if t.kwargs.get("holomorphic") or t.kwargs.get("allow_int"):
+        return None
     argnums, has_aux = t.kwargs.get("argnums", 0), bool(t.kwargs.get("has_aux"))
-    children = f_tree.children()
-    value_tree = children[0] if has_aux and len(children) == 2 else f_tree
-    if (not jax.tree_util.treedef_is_leaf(value_tree) or value_tree.num_leaves != 1
-            or (has_aux and len(children) != 2)):
-        return None  # (JAX's error, from the trace)
-    value = f_avals[0]
-    if value.shape != () or not jnp.issubdtype(value.dtype, jnp.floating):
+    value = jax.tree_util.tree_unflatten(f_tree, list(f_avals))
+    aux = None
+    if has_aux:
+        if type(value) is not tuple or len(value) != 2:
+            return None  # (JAX's error, from the trace)
+        value, aux = value
+    if (jax.tree_util.tree_leaves(value) != [value] or value.shape != ()
+            or not jnp.issubdtype(value.dtype, jnp.floating)):
         return None
     args, _ = jax.tree_util.tree_unflatten(t.in_tree, list(in_avals))
     picked = (argnums,) if type(argnums) is int else argnums
@@ -408,12 +415,19 @@ def _gradient_types(t: Transform, f_avals: Sequence[Any], f_tree: Any,
         return None
     out: Any = wrt
     if has_aux:
-        aux = jax.tree_util.tree_unflatten(children[1], f_avals[1:])
         out = ((value, aux), wrt) if t.name == "value_and_grad" else (wrt, aux)
     elif t.name == "value_and_grad":
         out = (value, wrt)
     leaves, tree = jax.tree_util.tree_flatten(out)
     return tree, leaves
+
+
+_OUT_TYPES: dict[str, Callable[..., tuple[Any, list] | None]] = {
+    "jit": _jit_types,
+    "vmap": _vmap_types,
+    "grad": _gradient_types,
+    "value_and_grad": _gradient_types,
+}
 
 
 def _per_example_avals(vmap_kwargs: dict, args: tuple, fkwargs: dict) -> tuple[list, int]:
