@@ -444,6 +444,8 @@ def filtered_tracebacks() -> dict:
         except ValueError as e:
             out[name] = [(_where(fs.filename), fs.name)
                          for fs in traceback.extract_tb(e.__traceback__)]
+        except Exception as e:  # noqa: BLE001 - JAX itself cannot (jax_scan3: grad of a scan)
+            out[name] = f"JAX raised {type(e).__name__}"
     return out
 
 
