@@ -410,7 +410,7 @@ def _gradient_types(t: Transform, f_avals: Sequence[Any], f_tree: Any,
     picked = (argnums,) if type(argnums) is int else argnums
     if not all(type(i) is int and 0 <= i < len(args) for i in picked):
         return None
-    wrt = args[argnums] if type(argnums) is int else tuple(args[i] for i in picked)
+    wrt = t._wrt(args)
     if not all(jnp.issubdtype(a.dtype, jnp.floating) for a in jax.tree_util.tree_leaves(wrt)):
         return None
     out: Any = wrt
