@@ -406,7 +406,7 @@ class DelayedDict(Mapping):
         wanted = self._expand(keys) if keys else list(self._canonical)
         raws = list(dict.fromkeys(self._leaves[k] for k in wanted))
         prog = self._store.traced.program(raws, with_out=False, plants=self._store.plants)
-        return prog.fn.lower(*self._store.args, *self._store.plant_leaves)
+        return prog.lower(*self._store.args, *self._store.plant_leaves)
 
     @property
     def avals(self) -> dict:

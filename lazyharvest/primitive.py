@@ -66,11 +66,14 @@ _EMPTY_STATE: tuple[frozenset, tuple, frozenset] = (frozenset(), (), frozenset()
 _context = jax.make_user_context(default_value=_EMPTY_STATE)
 
 
+_jax.keep_ref_writing_hi_prims()  # (JAX's own rule outside the blocks that ask)
+
+
 @contextlib.contextmanager
 def _state(value: tuple[frozenset, tuple, frozenset]) -> Iterator[None]:
     """The harvest state is `value` in this block, and the hooks that act on
     it are in force (outside every such block JAX runs its own rules alone)."""
-    with _jax.hooks_in_force(), _context(value):
+    with _jax.hooks_in_force(), _jax.ref_writing_hi_prims_kept(), _context(value):
         yield
 
 

@@ -63,8 +63,22 @@ class Program:
         self.fn = jax.jit(functools.partial(_jax.eval_jaxpr, jaxpr, consts))
         self.first = True
         self.used = False  # read through `Traced.plain_program` (LRU second chance)
+        self.holds_hi_prims = _jax.holds_hi_prims(jaxpr)
 
     def __call__(self, *flat):
+        # JAX runs its DCE where it lowers the slice (the first call; a later
+        # one with the same avals hits jit's cache) or transforms it, where a
+        # custom rule it traces may stage a high-level primitive too
+        if self.first or self.holds_hi_prims or _jax.any_tracer(flat):
+            with _jax.ref_writing_hi_prims_kept():
+                return self._call(flat)
+        return self._call(flat)
+
+    def lower(self, *flat):
+        with _jax.ref_writing_hi_prims_kept():
+            return self.fn.lower(*flat)
+
+    def _call(self, flat):
         if not self.first:
             return self.fn(*flat)
         self.first = False
@@ -247,7 +261,8 @@ class Traced:
             site = [x for k in raw_keys for x in run.records[k].leaves()]
             return [*outs, *site] if with_out else site
 
-        jaxpr, consts = _jax.trace_flat(fn, [*self.in_avals, *plants.avals])
+        with _jax.ref_writing_hi_prims_kept():  # (JAX's rules may run its DCE)
+            jaxpr, consts = _jax.trace_flat(fn, [*self.in_avals, *plants.avals])
         what = ", ".join(str(keys_mod.display(self.key_of[k][0])) for k in raw_keys)
         what = ("the output" + (f" and {what}" if what else "")) if with_out else what
         return Program(slicing.dce(jaxpr, [True] * len(jaxpr.outvars)), consts, what)

@@ -7,8 +7,8 @@ to a fixed point, and every carry the condition reads, so the trip count is
 exact — and drops the rest. It is installed only while the slicer runs.
 
 JAX 0.12's DCE also drops a high-level primitive that only writes a Ref read
-later (`Scan3`, under `jax_scan3`); `_jax.keep_ref_writing_hi_prims` keeps it,
-so a slice computes what the eager program does.
+later (`Scan3`, under `jax_scan3`); inside `_jax.ref_writing_hi_prims_kept`
+JAX's DCE keeps it, so a slice computes what the eager program does.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lazyharvest import _jax
-
-_jax.keep_ref_writing_hi_prims()
 
 
 def _needed_carries(eqn: _jax.JaxprEqn, used_outputs: Sequence[bool]) -> list[bool]:
@@ -60,6 +58,6 @@ def _while_rule(used_outputs: list[bool], eqn: _jax.JaxprEqn
 
 def dce(jaxpr: _jax.Jaxpr, used_outputs: Sequence[bool]) -> _jax.Jaxpr:
     """`jaxpr` with what `used_outputs` do not need removed, loops included."""
-    with _jax.extra_dce_rules({_jax.while_p: _while_rule}):
+    with _jax.ref_writing_hi_prims_kept(), _jax.extra_dce_rules({_jax.while_p: _while_rule}):
         new, _ = _jax.dce(jaxpr, used_outputs, instantiate=True)
     return new

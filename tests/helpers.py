@@ -38,6 +38,28 @@ def jax_flag(name: str, value: bool = True):
         jax.config.update(name, before)
 
 
+def jax_jits_scan3_wrongly() -> bool:
+    """Whether this JAX, with `jax_scan3` on, computes a scan wrongly where
+    its DCE meets it (jax 0.12.1: `jax.jit` of a scan whose carry is its only
+    output returns the initial carry, and the eager paths that jit, e.g. a
+    `lax.cond` or `lax.custom_root` run eagerly, with it; lazyharvest keeps
+    such a scan in the programs it compiles only, docs/compat.md)."""
+    if not jax.config.values.get("jax_scan3"):
+        return False
+    g = lambda x: jax.lax.scan(lambda c, p: (c * p + 1.0, None), x, jnp.arange(3.0))[0]  # noqa: E731
+    return float(jax.jit(g)(1.0)) != 5.0
+
+
+def skip_where_jax_jits_scan3_wrongly():
+    """A mark skipping a test whose plain-JAX side meets a scan where JAX
+    itself computes it wrongly (`jax_jits_scan3_wrongly`)."""
+    import pytest
+    return pytest.mark.skipif(
+        jax_jits_scan3_wrongly(),
+        reason=f"jax {jax.__version__} itself computes a scan wrongly with jax_scan3 on "
+               f"where its DCE meets it (jax.jit of a scan returns the initial carry)")
+
+
 def jax_checkpoints_scan3_wrongly() -> bool:
     """Whether this JAX, with `jax_scan3` on, differentiates a scan inside
     `jax.checkpoint` wrongly by itself (jax 0.12.1: `jax.linearize` and

@@ -15,7 +15,11 @@ import pytest
 from jax import lax
 
 import lazyharvest as lh
-from helpers import close, skip_where_jax_cannot_differentiate_diffrax
+from helpers import (
+    close,
+    skip_where_jax_cannot_differentiate_diffrax,
+    skip_where_jax_jits_scan3_wrongly,
+)
 from lazyharvest import _jax
 
 
@@ -999,6 +1003,7 @@ def test_diffrax_default_adjoint():
     assert float(jnp.abs(expected).min()) > 0.01
 
 
+@skip_where_jax_jits_scan3_wrongly()  # (the plain-JAX solve: scans in its checkpointed loop)
 def test_diffrax_direct_adjoint():
     adjoint, log, logged, sown, perturbed_at = diffrax_case("DirectAdjoint")
     t_last, y_last = _forward_value_is_the_last_evaluation(adjoint, log, logged, sown)
@@ -1038,7 +1043,10 @@ def test_vmap_cond_branches_it_cannot_cut_are_refused_not_wrong():
                       (strict_orders, ["different orders"])):
         raises(words, lh.reap(jax.vmap(fn), tag="t"), P, X)
         close(lh.reap(jax.vmap(fn), tag="other")(P, X).compute(), {})  # other tags: inert
-        close(jax.vmap(fn)(P, X), jnp.stack([fn(p, x) for p, x in zip(P, X)]))
+        with jax.disable_jit():  # (each element in Python: JAX's own eager cond
+            #  jits its branches, and jax 0.12.1 jits a Scan3 wrongly)
+            each = jnp.stack([fn(p, x) for p, x in zip(P, X)])
+        close(jax.vmap(fn)(P, X), each)
     # lh.vmap keeps the cond: each element's branch, zeros where it sows none
     d = lh.reap(lh.vmap(in_scan), tag="t")(P, X)
     close(d["s"], jnp.where(P > 0, jnp.sin(jnp.sin(X)), 2 * X))

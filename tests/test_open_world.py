@@ -22,7 +22,7 @@ import pytest
 from jax import lax
 
 import lazyharvest as lh
-from helpers import close, jax_flag
+from helpers import close, jax_flag, jax_jits_scan3_wrongly, skip_where_jax_jits_scan3_wrongly
 from lazyharvest import _jax
 from lazyharvest._interpreter import sub_jaxprs
 from lazyharvest.primitive import sow_p
@@ -429,7 +429,8 @@ def test_a_plant_in_a_custom_jvp_whose_function_and_rule_differentiate_the_site(
     assert not np.allclose(expected, jax.grad(loss)(THETA), rtol=1e-2)
     close(planted(THETA), by_hand(THETA), rtol=1e-6)
     close(jax.grad(planted)(THETA), expected, rtol=1e-5)
-    close(jax.jit(jax.grad(planted))(THETA), expected, rtol=1e-5)
+    if not jax_jits_scan3_wrongly():  # (JAX's jit drops the solve's Scan3 from this program)
+        close(jax.jit(jax.grad(planted))(THETA), expected, rtol=1e-5)
 
 
 @pytest.mark.parametrize("how", ["add", "function", "intervention"])
@@ -468,6 +469,7 @@ def _cube_root(a, sow=True, e=0.0, log=None):
     return jnp.sin(y * a)
 
 
+@skip_where_jax_jits_scan3_wrongly()  # (the plain-JAX solve runs a fori_loop eagerly)
 def test_sites_inside_lax_custom_root_keep_its_implicit_rule():
     log: list = []
     _cube_root(2.0, sow=False, log=log)

@@ -293,7 +293,7 @@ def implementation(eqn: JaxprEqn) -> ClosedJaxpr | None:
         jaxpr, consts = trace_flat(impl, [v.aval for v in eqn.invars])
         # (an object's expansion may hold other high-level primitives: a
         # custom function calling another)
-        if prim is call_hi_primitive_p or not _binds(jaxpr, prim):
+        if prim is call_hi_primitive_p or not binds(jaxpr, prim):
             found = ClosedJaxpr(jaxpr, consts)
     except Exception:  # (no impl, or one that cannot be traced: no implementation)
         pass
@@ -301,8 +301,8 @@ def implementation(eqn: JaxprEqn) -> ClosedJaxpr | None:
     return found
 
 
-def _binds(jaxpr: Jaxpr, prim: Primitive) -> bool:
-    return any(e.primitive is prim or any(_binds(j, prim) for j in sub_jaxprs(e.params))
+def binds(jaxpr: Jaxpr, prim: Primitive) -> bool:
+    return any(e.primitive is prim or any(binds(j, prim) for j in sub_jaxprs(e.params))
                for e in jaxpr.eqns)
 
 

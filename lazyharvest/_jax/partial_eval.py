@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,6 +26,8 @@ from lazyharvest._jax.core import (
     Jaxpr,
     JaxprEqn,
     Primitive,
+    binds,
+    call_hi_primitive_p,
     cond_p,
     jit_p,
     new_jaxpr_eqn,
@@ -541,19 +544,59 @@ def internals() -> dict[str, Any]:
     return {"jax._src.lax.control_flow.loops": _loops, "jax._src.state.types": _state_types}
 
 
-def keep_ref_writing_hi_prims() -> None:
+class _Depth(threading.local):
+    n = 0
+
+
+_KEEPING = _Depth()  # how deep this thread is in `ref_writing_hi_prims_kept` blocks
+
+
+class _RefWritingHiPrimsKept:
+    # (a class, not a generator: entered on every call of a compiled slice)
+    def __enter__(self) -> None:
+        _KEEPING.n += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _KEEPING.n -= 1
+
+
+_REF_WRITING_HI_PRIMS_KEPT = _RefWritingHiPrimsKept()
+
+
+def ref_writing_hi_prims_kept() -> contextlib.AbstractContextManager:
     """jax 0.12's DCE drops a high-level primitive (`call_hi_primitive`, e.g.
     `Scan3` under `jax_scan3`) that has no outputs and declares no effects,
-    even when it writes a Ref that is read later (`jax.jit` then returns the
-    unwritten value). The harvest slices programs with JAX's DCE: such an eqn
-    with a live Ref input is kept whole."""
-    from lazyharvest._jax.core import call_hi_primitive_p
+    even when it writes a Ref that is read later: `jax.jit` of a scan then
+    returns the unwritten carry, in plain JAX. In this block (this thread)
+    such an eqn with a live Ref input is kept whole, so the programs the
+    harvest traces, slices and compiles compute what the eager one does.
+    Outside, JAX's own rule decides: importing lazyharvest changes no program.
+    (`keep_ref_writing_hi_prims` installs the rule that asks.)"""
+    return _REF_WRITING_HI_PRIMS_KEPT
 
+
+def holds_hi_prims(jaxpr: Jaxpr) -> bool:
+    """Whether `jaxpr` stages a high-level primitive at any depth."""
+    return call_hi_primitive_p is not None and binds(jaxpr, call_hi_primitive_p)
+
+
+def keep_ref_writing_hi_prims() -> None:
+    """Installs the DCE rule of `call_hi_primitive` that keeps a Ref writer
+    inside `ref_writing_hi_prims_kept` blocks and is JAX's rule elsewhere."""
     if call_hi_primitive_p is None:
         return
     original = pe.dce_rules.get(call_hi_primitive_p, _pe._default_dce_rule)
     if getattr(original, "_lazyharvest", False):
         return
+    keeping = _keeping_ref_writers(original)
+
+    def rule(*args):
+        return (keeping if _KEEPING.n else original)(*args)
+    rule._lazyharvest = True  # type: ignore[attr-defined]
+    pe.dce_rules[call_hi_primitive_p] = rule
+
+
+def _keeping_ref_writers(original: Callable) -> Callable:
     from jax._src.state import types as _state_types
 
     def rule(used_outputs, *live_and_eqn):
@@ -563,5 +606,4 @@ def keep_ref_writing_hi_prims() -> None:
                for v, alive in zip(eqn.invars, live_inputs)):
             return [True] * len(eqn.invars), eqn
         return original(used_outputs, *live_and_eqn)
-    rule._lazyharvest = True  # type: ignore[attr-defined]
-    pe.dce_rules[call_hi_primitive_p] = rule
+    return rule

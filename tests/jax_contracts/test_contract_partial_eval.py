@@ -452,7 +452,7 @@ def test_scan_partial_eval_jaxpr_custom_rule_calling_convention(monkeypatch):
 
 def test_state_types_abstract_ref():
     """lazyharvest assumes `state.types.AbstractRef` is the aval type of a Ref
-    (`jax.new_ref`) (partial_eval.keep_ref_writing_hi_prims)."""
+    (`jax.new_ref`) (partial_eval.ref_writing_hi_prims_kept)."""
     types = layer.internals()["jax._src.state.types"]
     seen = []
     jax.make_jaxpr(lambda x: seen.append(jax.typeof(jax.new_ref(x))) or x)(1.)
@@ -462,23 +462,17 @@ def test_state_types_abstract_ref():
 
 
 @pytest.mark.usefixtures("default_staging")  # (the flags as they were, after it)
-def test_call_hi_primitive_dce_rule_keeps_ref_writers(monkeypatch):
+def test_call_hi_primitive_dce_rule_keeps_ref_writers():
     """lazyharvest assumes JAX's DCE consults `pe.dce_rules[call_hi_primitive_p]` for a
     high-level primitive's eqn, so the package's rule keeps one writing a live
-    Ref (partial_eval.keep_ref_writing_hi_prims)."""
+    Ref inside `ref_writing_hi_prims_kept` (partial_eval.keep_ref_writing_hi_prims)."""
     hi = layer_core.call_hi_primitive_p
     if hi is None or "jax_scan3" not in jax.config.values:
         pytest.skip(f"jax {V} stages no high-level scans")
-    rule = layer.pe.dce_rules[hi]
+    table = layer.pe.dce_rules
+    rule = table[hi]
     assert getattr(rule, "_lazyharvest", False), (
         f"the package's DCE rule of call_hi_primitive is not installed on jax {V}")
-    calls = []
-
-    def spy(*args):
-        calls.append(len(args))
-        return rule(*args)
-
-    monkeypatch.setitem(layer.pe.dce_rules, hi, spy)
 
     def f(r):
         def body(c, _):
@@ -490,7 +484,17 @@ def test_call_hi_primitive_dce_rule_keeps_ref_writers(monkeypatch):
     with jax_flag("jax_scan3"):
         jaxpr = jax.make_jaxpr(f)(jax.new_ref(jnp.float32(0.))).jaxpr
     assert hi in [e.primitive for e in jaxpr.eqns]
-    dced, _ = layer.dce(jaxpr, [])
+    calls = []
+
+    def spy(*args):
+        calls.append(len(args))
+        return rule(*args)
+    table[hi] = spy
+    try:
+        with layer.ref_writing_hi_prims_kept():
+            dced, _ = layer.dce(jaxpr, [])
+    finally:
+        table[hi] = rule
     assert calls, f"JAX's DCE no longer consults pe.dce_rules[call_hi_primitive_p] on jax {V}"
     assert hi in [e.primitive for e in dced.eqns], (
         f"a Ref-writing call_hi_primitive eqn is dropped by DCE on jax {V}")
