@@ -67,9 +67,10 @@ class Program:
 
     def __call__(self, *flat):
         # JAX runs its DCE where it lowers the slice (the first call; a later
-        # one with the same avals hits jit's cache) or transforms it, where a
-        # custom rule it traces may stage a high-level primitive too
-        if self.first or self.holds_hi_prims or _jax.any_tracer(flat):
+        # one with the same avals hits jit's cache) or transforms it (under a
+        # trace), where a custom rule it traces may stage a high-level
+        # primitive too
+        if self.first or self.holds_hi_prims or not _jax.in_eager_mode():
             with _jax.ref_writing_hi_prims_kept():
                 return self._call(flat)
         return self._call(flat)
