@@ -50,6 +50,18 @@ def jax_jits_scan3_wrongly() -> bool:
     return float(jax.jit(g)(1.0)) != 5.0
 
 
+def jax_dce_keeping_scans():
+    """For a test module whose plain-JAX references (the laws' oracles, run
+    under `jax.jit`) meet scans: where JAX's DCE drops a scan that only
+    writes its carry (`jax_jits_scan3_wrongly`), they run with the rule the
+    harvest keeps for its own programs (`_jax.ref_writing_hi_prims_kept`),
+    i.e. the scan JAX means; elsewhere it changes nothing. A module-scoped
+    autouse fixture: `pytest.fixture(autouse=True, scope="module")(...)`."""
+    from lazyharvest import _jax
+    with _jax.ref_writing_hi_prims_kept():
+        yield
+
+
 def skip_where_jax_jits_scan3_wrongly():
     """A mark skipping a test whose plain-JAX side meets a scan where JAX
     itself computes it wrongly (`jax_jits_scan3_wrongly`)."""
@@ -113,6 +125,20 @@ def skip_where_jax_cannot_differentiate_diffrax(adjoint: str = "RecursiveCheckpo
     if error is not None:
         pytest.skip(f"jax {jax.__version__} with jax_custom_jvp3 on cannot differentiate a "
                     f"diffrax solve under {adjoint} without lazyharvest: {error}")
+
+
+def jax_cannot_reverse_scan3() -> bool:
+    """Whether this JAX, with `jax_scan3` on, has no reverse mode through a
+    scan by itself (jax 0.12.1: `Scan3` implements neither `vjp_fwd` nor a
+    rule to derive it)."""
+    if not jax.config.values.get("jax_scan3"):
+        return False
+    g = lambda x: jax.lax.scan(lambda c, p: (c * p, None), x, jnp.arange(3.0))[0]  # noqa: E731
+    try:
+        jax.grad(g)(1.0)
+    except NotImplementedError:
+        return True
+    return False
 
 
 def jax_ignores_scan3_reverse() -> bool:

@@ -21,6 +21,10 @@ from helpers import (
     X,
     close,
     fresh_victim,
+    jax_cannot_reverse_scan3,
+    jax_dce_keeping_scans,
+    jax_ignores_scan3_reverse,
+    known_gap_under,
     simplest_with,
     skip_where_jax_checkpoints_scan3_wrongly,
 )
@@ -43,6 +47,9 @@ from lazyharvest.testing.random_programs import (
     Sow,
     While,
 )
+
+# (the oracles run under jax.jit: with jax_scan3 on jax 0.12.1, as JAX means a scan)
+dce_keeping_scans = pytest.fixture(autouse=True, scope="module")(jax_dce_keeping_scans)
 
 # The property suites take most of this file's time; the fast subset
 # (`-m "not slow"`) keeps every law on the simplest program of a few constructs.
@@ -84,8 +91,19 @@ FEW = settings(max_examples=_WIDE or 10, suppress_health_check=list(HealthCheck)
 FEWER = settings(max_examples=_WIDE or 6, suppress_health_check=list(HealthCheck))
 
 
+# jax 0.12.1 with jax_scan3 on, by itself: runs lax.scan(reverse=True)
+# forward, has no reverse mode through a scan, and its `Scan3.jvp` fails on
+# some zero tangents. The laws' plain-JAX sides then cannot run: reverse
+# scans are left out, and law 6 differentiates no planted program with a
+# scan (docs/compat.md).
+SCAN3_RUNS_REVERSE_FORWARD = jax_ignores_scan3_reverse()
+SCAN3_UNDIFFERENTIATED = jax_cannot_reverse_scan3()
+
+
 @st.composite
 def program_and_args(draw, **kw):
+    if SCAN3_RUNS_REVERSE_FORWARD:
+        kw["exclude"] = set(kw.get("exclude", ())) | {"reverse_scan"}
     p = draw(T.programs(**kw))
     return p, draw(T.inputs(p))
 
@@ -183,8 +201,10 @@ def test_law6_roundtrip(pa, seed):
     # values planted there: the program written with them in place (p.plant),
     # also differentiated
     p, args = pa
+    jax_differentiates = not (SCAN3_UNDIFFERENTIATED and "scan" in p.constructs)
     T.check_roundtrip(p.fn, *args, tag=p.tag, subset=seed, planted=p.plant,
-                      forward=p.forward_differentiable, reverse=p.reverse_differentiable)
+                      forward=p.forward_differentiable and jax_differentiates,
+                      reverse=p.reverse_differentiable and jax_differentiates)
 
 
 @FEW
@@ -215,6 +235,9 @@ def test_law7_strict_keys(pa):
                  strict_keys=True)
 
 
+@known_gap_under("jax_scan3", "lh.jacfwd over lh.vmap(in_axes=-1, out_axes=-1) of a program "
+                 "with a scan: JAX's jacfwd finds its primal output batched (ValueError: "
+                 "at vmap out_axes[0]), not analysed", when=SCAN3_RUNS_REVERSE_FORWARD)
 @FEWER
 @slow
 @given(st.data())
@@ -481,6 +504,9 @@ def test_regression_a_cotangent_planted_over_passes_one_of_them_in_a_cond():
                                                  - T.OPT_IN - {"custom_jvp_without_tangents"}))
 def test_every_law_on_construct(construct):
     p = simplest_with(construct)
+    if SCAN3_RUNS_REVERSE_FORWARD and "reverse_scan" in p.constructs:
+        pytest.skip(f"jax {jax.__version__} itself runs lax.scan(reverse=True) forward with "
+                    f"jax_scan3 on (the simplest program with {construct} has a reverse scan)")
     args = p.example_args(7)
     laws = set(T.LAWS) - KNOWN_BUGS.get(construct, set())
     reverse = p.reverse_differentiable

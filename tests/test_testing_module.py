@@ -17,11 +17,14 @@ from hypothesis import strategies as st
 from jax import lax
 
 import lazyharvest as lh
-from helpers import X, fresh_victim, simplest_with
+from helpers import X, fresh_victim, jax_dce_keeping_scans, simplest_with
 from lazyharvest import _jax
 from lazyharvest import testing as T
 from lazyharvest._jax import ad as _ad  # the one module that touches JAX internals
 from lazyharvest.primitive import JVP, PRIMAL, VJP, sow_p
+
+# (the oracles run under jax.jit: with jax_scan3 on jax 0.12.1, as JAX means a scan)
+dce_keeping_scans = pytest.fixture(autouse=True, scope="module")(jax_dce_keeping_scans)
 
 # --- the random programs ---------------------------------------------------------------
 
