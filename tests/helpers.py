@@ -38,6 +38,12 @@ def jax_flag(name: str, value: bool = True):
         jax.config.update(name, before)
 
 
+def _scan_of_a_carry(x):
+    """The probes' scan: its carry (c -> c * p + 1 over 0, 1, 2) its only
+    output; 5.0 from 1.0."""
+    return jax.lax.scan(lambda c, p: (c * p + 1.0, None), x, jnp.arange(3.0))[0]
+
+
 def jax_jits_scan3_wrongly() -> bool:
     """Whether this JAX, with `jax_scan3` on, computes a scan wrongly where
     its DCE meets it (jax 0.12.1: `jax.jit` of a scan whose carry is its only
@@ -46,8 +52,7 @@ def jax_jits_scan3_wrongly() -> bool:
     such a scan in the programs it compiles only, docs/compat.md)."""
     if not jax.config.values.get("jax_scan3"):
         return False
-    g = lambda x: jax.lax.scan(lambda c, p: (c * p + 1.0, None), x, jnp.arange(3.0))[0]  # noqa: E731
-    return float(jax.jit(g)(1.0)) != 5.0
+    return float(jax.jit(_scan_of_a_carry)(1.0)) != 5.0
 
 
 def jax_dce_keeping_scans():
@@ -79,8 +84,7 @@ def jax_checkpoints_scan3_wrongly() -> bool:
     with or without lazyharvest imported: the carry keeps its first value)."""
     if not jax.config.values.get("jax_scan3"):
         return False
-    g = lambda x: jax.lax.scan(lambda c, p: (c * p + 1.0, None), x, jnp.arange(3.0))[0]  # noqa: E731
-    return float(jax.linearize(jax.checkpoint(g), 1.0)[0]) != 5.0
+    return float(jax.linearize(jax.checkpoint(_scan_of_a_carry), 1.0)[0]) != 5.0
 
 
 def skip_where_jax_checkpoints_scan3_wrongly():
@@ -133,9 +137,8 @@ def jax_cannot_reverse_scan3() -> bool:
     rule to derive it)."""
     if not jax.config.values.get("jax_scan3"):
         return False
-    g = lambda x: jax.lax.scan(lambda c, p: (c * p, None), x, jnp.arange(3.0))[0]  # noqa: E731
     try:
-        jax.grad(g)(1.0)
+        jax.grad(_scan_of_a_carry)(1.0)
     except NotImplementedError:
         return True
     return False

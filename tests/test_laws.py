@@ -237,7 +237,7 @@ def test_law7_strict_keys(pa):
 
 @known_gap_under("jax_scan3", "lh.jacfwd over lh.vmap(in_axes=-1, out_axes=-1) of a program "
                  "with a scan: JAX's jacfwd finds its primal output batched (ValueError: "
-                 "at vmap out_axes[0]), not analysed", when=SCAN3_RUNS_REVERSE_FORWARD)
+                 "at vmap out_axes[0]), not analysed")
 @FEWER
 @slow
 @given(st.data())
