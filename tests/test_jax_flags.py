@@ -285,9 +285,9 @@ def test_a_custom_function_holding_a_scan3_with_sites_runs_reaped_and_planted(fl
     # by inlining the call while the Scan3 is there; harvested as the scan it
     # stands for, the Refs stayed in the custom call, and lowering failed
     # ("No state discharge rule implemented for primitive: custom_jvp_call")
-    def make(sow):
+    def make():
         def fn(x):
-            return _scanned(x)[0] if sow else _plain(x)[0]
+            return _scanned(x)[0]
         f = getattr(jax, rule)(fn)
         if rule == "custom_jvp":
             f.defjvp(lambda p, t: (f(p[0]), 2.0 * t[0]))
@@ -295,15 +295,19 @@ def test_a_custom_function_holding_a_scan3_with_sites_runs_reaped_and_planted(fl
             f.defvjp(lambda x: (f(x), None), lambda _, g: (2.0 * g,))
         return f
 
-    f, plain = make(True), make(False)
-    _, ys, hs = _plain(0.2)
+    f = make()
+    # (the reference is the scan run eagerly, not a custom function without
+    # sites: with
+    # jax_custom_jvp3 on, JAX's own custom_jvp of a carry-only scan drops it,
+    # returning the initial carry: jax_jits_scan3_wrongly, docs/compat.md)
+    carry, ys, hs = _plain(0.2)
     for run in (lambda g: g, jax.jit):
         out, d = run(lambda x: _computed(lh.call_and_reap(f, tag="t")(x)))(0.2)
-        close(out, plain(0.2))
+        close(out, carry)
         close(d["y"], ys)
         close(d["h"], hs[-1])
         rows = jnp.array([1.0, 2.0, 3.0])
-        close(run(lh.plant(f, tag="t"))({"y": rows}, 0.2), plain(0.2))  # (y is no carry)
+        close(run(lh.plant(f, tag="t"))({"y": rows}, 0.2), carry)  # (y is no carry)
         close(run(lh.plant(f, tag="t"))({"h": 0.7}, 0.2), 0.7)  # (the last step's h)
         # (the user's rule, in force for the inputs; the plant a constant)
         close(run(jax.grad(lh.plant(f, tag="t"), argnums=1))({"h": 0.7}, 0.2), 2.0)
