@@ -297,9 +297,8 @@ def test_a_custom_function_holding_a_scan3_with_sites_runs_reaped_and_planted(fl
 
     f = make()
     # (the reference is the scan run eagerly, not a custom function without
-    # sites: with
-    # jax_custom_jvp3 on, JAX's own custom_jvp of a carry-only scan drops it,
-    # returning the initial carry: jax_jits_scan3_wrongly, docs/compat.md)
+    # sites: with jax_custom_jvp3 on, JAX's own custom_jvp of a carry-only
+    # scan drops it, returning the initial carry; jax_jits_scan3_wrongly)
     carry, ys, hs = _plain(0.2)
     for run in (lambda g: g, jax.jit):
         out, d = run(lambda x: _computed(lh.call_and_reap(f, tag="t")(x)))(0.2)
