@@ -15,6 +15,7 @@ constant sites of docs/semantics.md section 2a), so only values and
 outcomes are compared.
 """
 
+import functools
 import os
 import pickle
 import re
@@ -31,7 +32,12 @@ from import_differential import WITHOUT_MODULES
 from jax import lax
 
 import lazyharvest as lh
-from helpers import skip_where_jax_checkpoints_scan3_wrongly
+from helpers import (
+    jax_ignores_scan3_reverse,
+    jax_jits_scan3_wrongly,
+    jax_reports_ref_writing_scans_as_leaks,
+    skip_where_jax_checkpoints_scan3_wrongly,
+)
 from lazyharvest import _jax
 from lazyharvest import testing as T
 from lazyharvest.primitive import harvesting
@@ -167,6 +173,7 @@ def _draw(strategy, n: int) -> list:
     return drawn[:n]
 
 
+@functools.cache
 def _programs() -> list:
     """Random programs, deterministic: (body, output, tree_input, tag) each."""
     progs = _draw(T.programs(), N_RANDOM) + _draw(T.programs(include=T.OPT_IN), N_RANDOM // 3)
@@ -280,20 +287,74 @@ def _outcome(r: dict) -> str | None:
     return r["value"] if isinstance(r["value"], str) else None
 
 
+def _index(where: str) -> int:
+    return int(where.split("random ")[1].split(" ")[0])
+
+
+def _program(where: str):
+    """The random program a record's name (`sown: random 3 [jvp]`) names."""
+    return T.random_programs.Program(*_programs()[_index(where)])
+
+
+def _value_jax_means(where: str, t: str):
+    """The sow-free random program of `where` under transformation `t`, run
+    here with the harvest's DCE rule (`_jax.ref_writing_hi_prims_kept`): what
+    JAX computes where its DCE does not drop a scan that only writes its
+    carry (`jax_jits_scan3_wrongly`)."""
+    from import_differential import _IDENTITY, transforms
+
+    from lazyharvest.testing import _oracle
+    prog, i = _program(where), _index(where)
+    real, _oracle.lh = _oracle.lh, _IDENTITY
+    try:
+        with _jax.ref_writing_hi_prims_kept():
+            fn, args = prog.fn, prog.example_args(i)
+            return jax.jit(lambda *a: transforms()[t](lambda *b: fn(*b), a))(*args)
+    finally:
+        _oracle.lh = real
+
+
 @slow
 def test_sow_outside_a_harvest_changes_no_value(records):
     """Where both run, a program with lazyharvest's sites computes what it
-    computes without them, under every transformation."""
-    compared, bad = 0, []
-    for where, _, g, w in _sown_pairs(records):
+    computes without them, under every transformation (where JAX drops a
+    scan, what it computes without dropping it)."""
+    compared, bad, dropped, reversed_ = 0, [], 0, 0
+    for where, t, g, w in _sown_pairs(records):
         if _outcome(g) is None and _outcome(w) is None:
             compared += 1
-            if not _same_values(g["value"], w["value"], exact=False):
+            if _same_values(g["value"], w["value"], exact=False):
+                continue
+            if jax_ignores_scan3_reverse() and "reverse_scan" in _program(where).constructs:
+                reversed_ += 1  # (the sites' Scan3 runs as a scan, which honours `reverse`)
+            elif jax_jits_scan3_wrongly() and _same_values(
+                    g["value"], _value_jax_means(where, t), exact=False):
+                dropped += 1
+            else:
                 bad.append(where)
-    print(f"compared the values of {compared} transformed programs with and without sites")
+    print(f"compared the values of {compared} transformed programs with and without sites "
+          f"({dropped} where JAX without sites dropped a scan, {reversed_} where it ran a "
+          f"reverse scan forward)")
     assert compared >= 50
     assert not bad, "sites outside a harvest changed values:\n" + "\n".join(bad)
 
+
+ANY_OUTCOME = "(ran or raised)"
+
+
+def _matches(outcome: str | None, pattern: str | None) -> bool:
+    """Whether `outcome` (an error, None if it ran) is the one `pattern`
+    names (a regular expression; None: it ran; `ANY_OUTCOME`)."""
+    if pattern == ANY_OUTCOME:
+        return True
+    if pattern is None or outcome is None:
+        return pattern is None and outcome is None
+    return re.search(pattern, outcome) is not None
+
+
+LEAK_REPORT = "a Scan3 with sites runs as a scan writing a Ref, which JAX's leak checker reports"
+CONSTANT_SCAN3 = "a constant Scan3 kept for its sites in a checkpoint, which JAX cannot split"
+SCAN3_HAS_NO_RULE = r"subclass <class '[\w.]*Scan3'> must implement"
 
 # Open (found by this test, docs/semantics.md section 2a): a program with
 # sites raises where it runs without them, outside any harvest, when a site
@@ -301,38 +362,58 @@ def test_sow_outside_a_harvest_changes_no_value(records):
 # keeps a trace's tracers where JAX keeps the trace. Any other difference
 # fails.
 DIFFERENTIATING = {"grad", "vjp", "jvp", "linearize", "checkpoint"}
-KNOWN_ERRORS = {
+KNOWN_ERRORS = {  # (transformations, the sown side's error, the plain side's or None)
     # a dead site keeps the tangent of a custom_vjp call JAX would drop (or a
     # zero tangent given to a constant construct reaches one): forward mode
     # cannot run it
     "forward mode through a custom_vjp call kept for a site": (
-        {"jvp", "linearize"}, r"can't apply forward-mode autodiff \(jvp\) to a custom_vjp"),
+        {"jvp", "linearize"}, r"can't apply forward-mode autodiff \(jvp\) to a custom_vjp",
+        None),
     # a zero tangent given to a constant construct holding sites keeps every
     # input of it, the output of a while loop JAX skipped among them
     "reverse mode through a while loop feeding a constant construct with sites": (
         {"grad", "vjp", "checkpoint"},
-        r"Reverse-mode differentiation does not work for lax\.while_loop"),
+        r"Reverse-mode differentiation does not work for lax\.while_loop", None),
     # JAX's memoized thunks of a custom rule keep the partial evaluation's
     # trace alive (in its caches), and with it the effect handles that keep
     # the sites' eqns, which hold tracers of traces that ended
     "leak checks: JAX's memoized custom-rule thunks keep the sites' effect handles": (
         DIFFERENTIATING,
-        r"Leaked trace .*\(via .*(jvp_jaxpr_thunk|fwd_jaxpr_from_zeros|fwd_jaxpr_thunk)"),
+        r"Leaked trace .*\(via .*(jvp_jaxpr_thunk|fwd_jaxpr_from_zeros|fwd_jaxpr_thunk)", None),
+    # (jax_scan3) a Scan3 holding sites is bound as the scan it stands for
+    # (section 10d), which JAX can batch and differentiate where it has no
+    # rule for Scan3: the program with sites runs...
+    "a Scan3 with sites runs as a scan where JAX has no rule for Scan3": (
+        DIFFERENTIATING | {"vmap"}, None, SCAN3_HAS_NO_RULE),
+    # ...but that scan writes its carry Ref, and JAX's leak checker reports
+    # such a scan under differentiation (JAX alone, every flag off, where
+    # `jax_reports_ref_writing_scans_as_leaks`), where JAX alone raises that
+    # Scan3 has no rule, or differentiates the Scan3 in a checkpoint
+    LEAK_REPORT: (DIFFERENTIATING, r"Leaked trace JaxprTrace", ANY_OUTCOME),
+    # a constant site gives a tangent to a constant Scan3 in a checkpoint
+    # (JAX alone leaves it to the known half), whose carry Ref the
+    # checkpoint's partial evaluation then cannot split (the flag-off scan
+    # has no Ref)
+    CONSTANT_SCAN3: (
+        {"checkpoint"}, r"Mutating a reference with unknown/differentiated values", None),
 }
+SCAN3_ONLY = {LEAK_REPORT, CONSTANT_SCAN3}  # (their errors are known with jax_scan3 on only)
 
 
 @slow
 def test_sow_outside_a_harvest_raises_only_known_errors(records):
     """A program with lazyharvest's sites, outside a harvest, raises where
     it raises without them, or (open) an error of `KNOWN_ERRORS`."""
-    bad, known = [], {k: 0 for k in KNOWN_ERRORS}
+    scan3 = bool(jax.config.values.get("jax_scan3"))
+    known_errors = {k: v for k, v in KNOWN_ERRORS.items() if k not in SCAN3_ONLY or scan3 and (
+        k != LEAK_REPORT or jax_reports_ref_writing_scans_as_leaks())}
+    bad, known = [], {k: 0 for k in known_errors}
     for where, t, g, w in _sown_pairs(records):
         err, plain = _outcome(g), _outcome(w)
         if err == plain:
             continue
-        kind = next((k for k, (ts, pattern) in KNOWN_ERRORS.items()
-                     if plain is None and err is not None and t in ts
-                     and re.search(pattern, err)), None)
+        kind = next((k for k, (ts, sown, alone) in known_errors.items()
+                     if t in ts and _matches(err, sown) and _matches(plain, alone)), None)
         if kind is None:
             bad.append(f"{where}: {err!r} != {plain!r}")
         else:

@@ -24,7 +24,7 @@ from helpers import (
     jax_cannot_reverse_scan3,
     jax_dce_keeping_scans,
     jax_ignores_scan3_reverse,
-    known_gap_under,
+    jax_jacfwd_fails_through_ref_writing_scans,
     simplest_with,
     skip_where_jax_checkpoints_scan3_wrongly,
 )
@@ -98,6 +98,11 @@ FEWER = settings(max_examples=_WIDE or 6, suppress_health_check=list(HealthCheck
 # scan (docs/compat.md).
 SCAN3_RUNS_REVERSE_FORWARD = jax_ignores_scan3_reverse()
 SCAN3_UNDIFFERENTIATED = jax_cannot_reverse_scan3()
+# With jax_scan3 on a scan writes its carry Ref, and JAX's jacfwd fails
+# through such a scan (with or without sites, lazyharvest or the flag): law 7
+# draws no jacfwd for a program with a scan there.
+SCAN3_NO_JACFWD = bool(jax.config.values.get("jax_scan3")) and (
+    jax_jacfwd_fails_through_ref_writing_scans())
 
 
 @st.composite
@@ -235,15 +240,15 @@ def test_law7_strict_keys(pa):
                  strict_keys=True)
 
 
-@known_gap_under("jax_scan3", "lh.jacfwd over lh.vmap(in_axes=-1, out_axes=-1) of a program "
-                 "with a scan: JAX's jacfwd finds its primal output batched (ValueError: "
-                 "at vmap out_axes[0]), not analysed")
 @FEWER
 @slow
 @given(st.data())
 def test_law7_recorded_transforms(data):
     p = data.draw(T.programs(max_statements=4))
-    s = data.draw(T.transform_stacks(p))
+    kinds = ("grad", "jacfwd", "jacrev", "vmap", "jit")
+    if SCAN3_NO_JACFWD and "scan" in p.constructs:
+        kinds = tuple(k for k in kinds if k != "jacfwd")
+    s = data.draw(T.transform_stacks(p, kinds=kinds))
     args = data.draw(T.inputs(p, s))
     T.check_lazy(p.fn, *args, tag=p.tag, slices=p.slices, stack=s)
 
