@@ -7,7 +7,8 @@ JAX made of them: per program and transformation (jit, grad, vjp, jvp,
 linearize, vmap, checkpoint) the jaxpr as a string, traced with
 `jax_check_tracer_leaks` on, and the values (or the errors); the device
 arrays still alive once everything is deleted, stack depths inside functions
-JAX calls and the frames of filtered tracebacks. `with` imports lazyharvest first; `without`
+JAX calls and the frames of filtered tracebacks (those two first, before any
+site is sown: lazyharvest hooks `call_hi_primitive` from its first use on). `with` imports lazyharvest first; `without`
 never runs its package (the random programs' description and interpreter are
 loaded from their files, `lh.sow`/`lh.nest` being the identity). The test
 compares the two files.
@@ -78,6 +79,9 @@ def main(side: str, programs_path: str, out_path: str) -> None:
 def corpus(side: str, programs_path: str) -> dict:
     """The records of every program (plain data: nothing of JAX's outlives it)."""
     random_programs, oracle = _program_modules(side)
+    # (first: lazyharvest hooks call_hi_primitive's binds from its first
+    # site on, which the sown programs below make)
+    measured = {"depths": depths(), "tracebacks": filtered_tracebacks()}
     with open(programs_path, "rb") as f:
         described = pickle.load(f)
     out: dict = {}
@@ -93,7 +97,7 @@ def corpus(side: str, programs_path: str) -> dict:
     for name, (fn, args, which, *check_leaks) in models().items():
         out[name] = record(fn, args, which, *check_leaks)
     out.update(issue_programs())
-    return {"programs": out, "depths": depths(), "tracebacks": filtered_tracebacks()}
+    return {"programs": out, **measured}
 
 
 def _fresh(fn):

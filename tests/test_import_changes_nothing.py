@@ -153,6 +153,65 @@ def test_jit_of_a_scan_under_jax_scan3_computes_what_it_computes_without_lazyhar
     assert printed["with"] == printed["without"]
 
 
+_RULE_DEPTH = """
+import inspect, sys
+import jax
+jax.config.update("jax_custom_jvp3", True)
+if sys.argv[1] == "with":
+    import lazyharvest
+depth = []
+
+@jax.custom_jvp
+def f(x):
+    return x * 2.0
+
+@f.defjvp
+def f_jvp(primals, tangents):
+    depth.append(len(inspect.stack()))
+    return f(primals[0]), 2.0 * tangents[0]
+
+jax.jvp(f, (1.0,), (1.0,))
+print(depth)
+"""
+
+
+def test_a_custom_rule_runs_as_deep_under_jax_custom_jvp3_as_without_lazyharvest():
+    # (JAX's own tests count the frames inside a custom function's rules.)
+    # Under the flag, JAX binds a custom function as a `call_hi_primitive`,
+    # which lazyharvest hooks for the programs holding sites; installed at
+    # import, the hook put 2 frames of its own under every rule
+    if "jax_custom_jvp3" not in jax.config.values or not _jax.CUSTOM_HI_PRIMS:
+        pytest.skip(f"jax {jax.__version__}: custom functions are no high-level primitives")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(HERE))
+    printed = {}
+    for side in ("with", "without"):
+        run = subprocess.run([sys.executable, "-c", _RULE_DEPTH, side], env=env, text=True,
+                             capture_output=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        printed[side] = run.stdout
+    assert printed["with"] == printed["without"]
+
+
+def test_the_high_level_primitive_hook_is_installed_at_the_first_site():
+    # what a program holding sites needs outside a harvest (docs/semantics.md,
+    # section 10d) is there once a site is sown, not before
+    if _jax.call_hi_primitive_p is None:
+        pytest.skip(f"jax {jax.__version__} has no call_hi_primitive")
+    code = ("import jax, lazyharvest as lh\n"
+            "from lazyharvest import _jax\n"
+            "hooked = lambda: 'bind_with_trace' in vars(_jax.call_hi_primitive_p)\n"
+            "seen = [hooked()]\n"
+            "lh.sow(jax.numpy.ones(2), tag='t', name='x')  # (eager: no site)\n"
+            "seen.append(hooked())\n"
+            "jax.make_jaxpr(lambda x: lh.sow(x, tag='t', name='x'))(1.0)\n"
+            "print(seen + [hooked()])\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(HERE))
+    run = subprocess.run([sys.executable, "-c", code], env=env, text=True,
+                         capture_output=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "[False, False, True]"
+
+
 slow = pytest.mark.slow  # the two processes: about a minute on two cores
 
 HERE = os.path.dirname(os.path.abspath(__file__))

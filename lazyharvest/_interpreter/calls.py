@@ -120,4 +120,6 @@ def _make_ordinary_bind(default):
 
 if _jax.call_hi_primitive_p is not None:  # (jax >= 0.10)
     EVAL_RULES[_jax.call_hi_primitive_p] = _high_level
-    _jax.register_bind_hook(_jax.call_hi_primitive_p, _make_ordinary_bind)
+    # (from the first site on: a program that only imported lazyharvest
+    # binds its custom functions' objects with no frame of ours)
+    _jax.register_bind_hook(_jax.call_hi_primitive_p, _make_ordinary_bind, from_first_use=True)

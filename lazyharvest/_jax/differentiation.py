@@ -91,6 +91,8 @@ _in_force_lock = threading.Lock()
 class _HooksInForce:
     # (a class, not a generator: entered on every call of a `nest`ed function)
     def __enter__(self) -> None:
+        if not _used[0]:
+            first_use()
         with _in_force_lock:
             if _in_force[0] == 0:
                 for put, _ in _WHILE_IN_FORCE:
@@ -121,11 +123,36 @@ def _while_in_force(put: Callable[[], None], take_back: Callable[[], None]) -> N
             put()
 
 
+# A hook that must also act outside a harvest, on programs holding sites
+# (call_hi_primitive's), is installed at the first use of lazyharvest in the
+# process: the first site sown or `hooks_in_force` block entered. Until then
+# a program that only imported lazyharvest binds with no frame of ours.
+_FROM_FIRST_USE: list[Callable[[], None]] = []
+_used = [False]
+
+
+def first_use() -> None:
+    """Installs, once, the hooks registered to act from lazyharvest's first
+    use on (`register_bind_hook(..., from_first_use=True)`)."""
+    with _in_force_lock:
+        if _used[0]:
+            return
+        _used[0] = True
+        for put in _FROM_FIRST_USE:
+            put()
+
+
+def used() -> bool:
+    """Whether `first_use` ran in this process."""
+    return _used[0]
+
+
 def register_bind_hook(prim: Primitive, make_rule: Callable[[Callable], Callable],
-                       only_in_force: bool = False) -> None:
+                       only_in_force: bool = False, from_first_use: bool = False) -> None:
     """Every bind of `prim` goes through `make_rule(default)(trace, args, avals,
     params)`; `default` is JAX's own `bind_with_trace`. With `only_in_force`,
-    only inside `hooks_in_force` blocks (JAX's own elsewhere)."""
+    only inside `hooks_in_force` blocks (JAX's own elsewhere); with
+    `from_first_use`, from `first_use` on."""
     default = type(prim).bind_with_trace  # a custom call's class has its own
     if BIND_TAKES_AVALS:
         hook = make_rule(functools.partial(default, prim))
@@ -140,6 +167,11 @@ def register_bind_hook(prim: Primitive, make_rule: Callable[[Callable], Callable
     for path in (os.path.dirname(__file__) + os.sep, make_rule.__code__.co_filename):
         if path not in _source_info_util._exclude_paths:
             _source_info_util.register_exclusion(path)
+    if from_first_use:
+        with _in_force_lock:
+            if not _used[0]:
+                _FROM_FIRST_USE.append(lambda: prim.def_bind_with_trace(hook))
+                return
     if not only_in_force:
         prim.def_bind_with_trace(hook)
         return
