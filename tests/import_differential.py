@@ -8,10 +8,10 @@ linearize, vmap, checkpoint) the jaxpr as a string, traced with
 `jax_check_tracer_leaks` on, and the values (or the errors); the device
 arrays still alive once everything is deleted, stack depths inside functions
 JAX calls and the frames of filtered tracebacks (those two first, before any
-site is sown: lazyharvest hooks `call_hi_primitive` from its first use on). `with` imports lazyharvest first; `without`
-never runs its package (the random programs' description and interpreter are
-loaded from their files, `lh.sow`/`lh.nest` being the identity). The test
-compares the two files.
+site is sown: lazyharvest hooks `call_hi_primitive` from its first use on).
+`with` imports lazyharvest first; `without` never runs its package (the
+random programs' description and interpreter are loaded from their files,
+`lh.sow`/`lh.nest` being the identity). The test compares the two files.
 
 The corpus: the random programs pickled in PROGRAMS, each run twice on the
 `with` side: with `sow` the identity (the same code as the `without` side:
