@@ -540,8 +540,7 @@ def sow(value: Any, *, tag: Hashable, name: str, mode: str = "strict",
         return value
     tags, scopes, _ = _current()
     effect = tag in tags and _jax.traced_for() not in CHECK_TRACES
-    if not _jax.used():
-        _jax.first_use()  # (the hooks that act on programs holding sites)
+    _jax.first_use()  # (the hooks that act on programs holding sites)
     outs = sow_p.bind(*leaves, tag=tag, name=name, mode=mode, scopes=scopes,
                       path=(), tree=tree, effect=effect, recompute=False)
     return jax.tree_util.tree_unflatten(tree, outs)

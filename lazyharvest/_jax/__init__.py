@@ -156,7 +156,6 @@ from lazyharvest._jax.differentiation import (  # noqa: F401
     trace_wrapped_avals,
     under_differentiation,
     under_linearization,
-    used,
     with_tangent,
     with_zero_tangent,
     wrap_linearization,

@@ -91,8 +91,7 @@ _in_force_lock = threading.Lock()
 class _HooksInForce:
     # (a class, not a generator: entered on every call of a `nest`ed function)
     def __enter__(self) -> None:
-        if not _used[0]:
-            first_use()
+        first_use()
         with _in_force_lock:
             if _in_force[0] == 0:
                 for put, _ in _WHILE_IN_FORCE:
@@ -134,17 +133,14 @@ _used = [False]
 def first_use() -> None:
     """Installs, once, the hooks registered to act from lazyharvest's first
     use on (`register_bind_hook(..., from_first_use=True)`)."""
+    if _used[0]:  # (the common case: no lock)
+        return
     with _in_force_lock:
         if _used[0]:
             return
         _used[0] = True
         for put in _FROM_FIRST_USE:
             put()
-
-
-def used() -> bool:
-    """Whether `first_use` ran in this process."""
-    return _used[0]
 
 
 def register_bind_hook(prim: Primitive, make_rule: Callable[[Callable], Callable],
