@@ -135,6 +135,16 @@ print(jax.jit(f)(1.0), jax.jit(lambda x: jax.jvp(f, (x,), (1.0,)))(1.0), f(1.0))
 """
 
 
+def _printed(code: str, *argv: str) -> str:
+    """What `python -c code *argv` prints, in a fresh process (on the CPU,
+    this checkout's lazyharvest importable)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(HERE))
+    run = subprocess.run([sys.executable, "-c", code, *argv], env=env, text=True,
+                         capture_output=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
 def test_jit_of_a_scan_under_jax_scan3_computes_what_it_computes_without_lazyharvest():
     # jax 0.12's DCE drops a `Scan3` that only writes its carry's Ref, so
     # `jax.jit` of a scan under jax_scan3 returns the initial carry. The
@@ -143,14 +153,7 @@ def test_jit_of_a_scan_under_jax_scan3_computes_what_it_computes_without_lazyhar
     # (the rule was once installed at import, and changed this one)
     if "jax_scan3" not in jax.config.values:
         pytest.skip(f"jax {jax.__version__} has no jax_scan3")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(HERE))
-    printed = {}
-    for side in ("with", "without"):
-        run = subprocess.run([sys.executable, "-c", _SCANS, side], env=env, text=True,
-                             capture_output=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-3000:]
-        printed[side] = run.stdout
-    assert printed["with"] == printed["without"]
+    assert _printed(_SCANS, "with") == _printed(_SCANS, "without")
 
 
 _RULE_DEPTH = """
@@ -182,14 +185,7 @@ def test_a_custom_rule_runs_as_deep_under_jax_custom_jvp3_as_without_lazyharvest
     # import, the hook put 2 frames of its own under every rule
     if "jax_custom_jvp3" not in jax.config.values or not _jax.CUSTOM_HI_PRIMS:
         pytest.skip(f"jax {jax.__version__}: custom functions are no high-level primitives")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(HERE))
-    printed = {}
-    for side in ("with", "without"):
-        run = subprocess.run([sys.executable, "-c", _RULE_DEPTH, side], env=env, text=True,
-                             capture_output=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-3000:]
-        printed[side] = run.stdout
-    assert printed["with"] == printed["without"]
+    assert _printed(_RULE_DEPTH, "with") == _printed(_RULE_DEPTH, "without")
 
 
 def test_the_high_level_primitive_hook_is_installed_at_the_first_site():
@@ -205,11 +201,7 @@ def test_the_high_level_primitive_hook_is_installed_at_the_first_site():
             "seen.append(hooked())\n"
             "jax.make_jaxpr(lambda x: lh.sow(x, tag='t', name='x'))(1.0)\n"
             "print(seen + [hooked()])\n")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(HERE))
-    run = subprocess.run([sys.executable, "-c", code], env=env, text=True,
-                         capture_output=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip() == "[False, False, True]"
+    assert _printed(code).strip() == "[False, False, True]"
 
 
 slow = pytest.mark.slow  # the two processes: about a minute on two cores
